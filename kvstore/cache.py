@@ -1,0 +1,92 @@
+"""KVCache: the per-layer key/value tensors of one sequence, the thing kvstore persists.
+
+Layout per layer, token-major: `[capacity, 2 (K, V), n_kv_heads, head_dim]` in the model's dtype on
+the model's device. Token-major makes a checkpoint's new range one contiguous block (exactly what
+`state()` returns and the store writes), and a slice `[:length]` has the same strides whatever the
+capacity, so attention reads identical views before and after a resume. Capacity grows in fixed
+steps; `length` counts the positions whose K/V are valid in every layer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+GROW_STEP = 256  # capacity is a multiple of this many tokens
+
+
+class KVCache:
+    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, *, dtype: torch.dtype,
+                 device: torch.device | str = "cpu", capacity: int = 0):
+        self.n_layers, self.n_kv_heads, self.head_dim = n_layers, n_kv_heads, head_dim
+        self.dtype, self.device = dtype, torch.device(device)
+        self.layers: list[torch.Tensor] = [self._empty(0) for _ in range(n_layers)]
+        self.length = 0
+        self.reserve(capacity)
+
+    @property
+    def capacity(self) -> int:
+        return self.layers[0].shape[0] if self.layers else 0
+
+    @property
+    def token_shape(self) -> tuple[int, int, int]:
+        """Shape of one token's K/V in one layer: (2, n_kv_heads, head_dim)."""
+        return (2, self.n_kv_heads, self.head_dim)
+
+    def _empty(self, capacity: int) -> torch.Tensor:
+        return torch.empty((capacity, *self.token_shape), dtype=self.dtype, device=self.device)
+
+    def reserve(self, n_tokens: int) -> None:
+        """Make room for `n_tokens` positions in total (keeps the valid prefix)."""
+        if n_tokens <= self.capacity:
+            return
+        new_capacity = max(n_tokens, 2 * self.capacity)
+        new_capacity = -(-new_capacity // GROW_STEP) * GROW_STEP
+        for i, old in enumerate(self.layers):
+            grown = self._empty(new_capacity)
+            grown[: self.length].copy_(old[: self.length])
+            self.layers[i] = grown
+
+    def update(self, layer: int, pos: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write K/V `[T, n_kv_heads, head_dim]` at positions pos..pos+T-1 of `layer`.
+
+        Returns K and V of positions 0..pos+T-1 as `[1, n_kv_heads, pos+T, head_dim]` views.
+        The caller moves `length` once every layer is written (`advance`).
+        """
+        buf = self.layers[layer]
+        end = pos + k.shape[0]
+        buf[pos:end, 0].copy_(k)
+        buf[pos:end, 1].copy_(v)
+        # [end, n_kv, hd] -> [1, n_kv, end, hd]
+        return buf[:end, 0].transpose(0, 1).unsqueeze(0), buf[:end, 1].transpose(0, 1).unsqueeze(0)
+
+    def advance(self, end: int) -> None:
+        self.length = end
+
+    def trim(self, n: int) -> None:
+        """Forget every position from `n` on."""
+        if n < 0:
+            raise ValueError(f"cannot trim to {n} tokens")
+        self.length = min(self.length, n)
+
+    def state(self, start: int = 0, end: int | None = None) -> list[torch.Tensor]:
+        """Per layer, the K/V of positions start..end-1 as `[end-start, 2, n_kv_heads, head_dim]` views."""
+        end = self.length if end is None else end
+        assert 0 <= start <= end <= self.length, (start, end, self.length)
+        return [buf[start:end] for buf in self.layers]
+
+    def load(self, start: int, layers: list[torch.Tensor]) -> None:
+        """Copy per-layer `[T, 2, n_kv_heads, head_dim]` tensors in at positions start..start+T-1."""
+        assert start == self.length, "ranges load in order"
+        n = layers[0].shape[0]
+        self.reserve(start + n)
+        for buf, part in zip(self.layers, layers):
+            buf[start:start + n].copy_(part, non_blocking=False)
+        self.length = start + n
+
+    @classmethod
+    def from_state(cls, layers: list[torch.Tensor], *, device: torch.device | str | None = None) -> "KVCache":
+        first = layers[0]
+        _, _, n_kv, hd = first.shape
+        cache = cls(len(layers), n_kv, hd, dtype=first.dtype, device=device or first.device, capacity=first.shape[0])
+        cache.load(0, layers)
+        return cache

@@ -1,0 +1,71 @@
+"""Every error kvstore raises on purpose, in one hierarchy.
+
+Each message says what is wrong and what to do about it; the CLI prints it as one line.
+`assert` is kept for internal invariants; anything a user can cause raises one of these.
+"""
+
+
+class KvstoreError(Exception):
+    """Base of all kvstore errors."""
+
+
+# -- models ------------------------------------------------------------------------------------
+class ModelError(KvstoreError):
+    """A model file or folder cannot be used."""
+
+
+class UnsupportedModel(ModelError):
+    """The architecture or one of its settings is not implemented."""
+
+
+class MissingTensor(ModelError):
+    """A tensor the architecture needs is not in the file."""
+
+
+class TensorShapeMismatch(ModelError):
+    """A tensor has another shape than the config implies."""
+
+
+class TruncatedFile(ModelError):
+    """A model file ends before the data its header announces."""
+
+
+class PullError(KvstoreError):
+    """Fetching the default model failed (network, hash mismatch)."""
+
+
+# -- sessions and the store --------------------------------------------------------------------
+class SessionNotFound(KvstoreError):
+    """No session of that name."""
+
+
+class SessionExists(KvstoreError):
+    """A session of that name exists already."""
+
+
+class SessionBusy(KvstoreError):
+    """Another process holds the session's writer lock."""
+
+
+class ModelMismatch(KvstoreError):
+    """The session was made with another model, dtype or KV layout."""
+
+
+class CorruptData(KvstoreError):
+    """Stored bytes fail their checksum, are truncated or disagree with the index."""
+
+
+class InvalidName(KvstoreError):
+    """A session name that is not allowed."""
+
+
+class UnsupportedFormat(KvstoreError):
+    """An archive or store of an unknown format or version."""
+
+
+class StoreFull(KvstoreError):
+    """The disk is full (ENOSPC); the session's last checkpoint is intact."""
+
+
+class StoreMissing(KvstoreError):
+    """The index is gone while session files remain; nothing is recreated silently."""

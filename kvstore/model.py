@@ -1,0 +1,120 @@
+"""`load_model(spec)`: a ready-to-run Model (config, tokenizer, fingerprint, forward).
+
+`spec` is an alias of a default model (`smollm2`, pulled on first use), a `.gguf` file or a
+Hugging Face folder. Weights load into `dtype` (bfloat16 by default) on `device`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from . import tokenizer as tok
+from .cache import KVCache
+from .config import ModelConfig
+from .errors import ModelError
+from .fingerprint import model_fingerprint
+from .gpt2 import GPT2
+from .llama import Llama
+from .paths import models_dir
+from .weights import (GGUF, HF, collect, dequantize_gguf, gguf_metadata, gguf_tensors, open_gguf,
+                      read_safetensors, safetensor_files)
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@dataclass
+class Model:
+    config: ModelConfig
+    tokenizer: tok.Tokenizer
+    fingerprint: str
+    dtype: torch.dtype
+    device: torch.device
+    source: str
+    net: Llama | GPT2
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+    def new_cache(self, capacity: int = 0) -> KVCache:
+        c = self.config
+        return KVCache(c.n_layers, c.n_kv_heads, c.head_dim, dtype=self.dtype, device=self.device, capacity=capacity)
+
+    @torch.inference_mode()
+    def forward(self, ids: Sequence[int], pos: int, cache: KVCache | None, *, last_only: bool = True) -> torch.Tensor:
+        """Float32 logits for `ids` at positions pos..; writes their K/V into `cache`."""
+        if pos + len(ids) > self.config.max_context:
+            raise ModelError(f"{pos + len(ids)} tokens exceed the model's context of {self.config.max_context}")
+        t = torch.tensor(list(ids), dtype=torch.long, device=self.device)
+        if cache is not None:
+            cache.reserve(pos + len(ids))
+        return self.net.forward(t, pos, cache, last_only=last_only)
+
+    def logits(self, ids: Sequence[int]) -> torch.Tensor:
+        """A full forward without a cache: float32 `[len(ids), vocab]` on the CPU (checks, debugging)."""
+        return self.forward(ids, 0, None, last_only=False).cpu()
+
+
+def load_model(spec: str | os.PathLike, dtype: str | torch.dtype | None = None, device: str = "cpu",
+               home: str | os.PathLike | None = None) -> Model:
+    """An alias (`smollm2`), a `.gguf` file or a Hugging Face folder -> Model."""
+    from .pull import ALIASES, pull
+
+    dt = _dtype(dtype)
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ModelError("device 'cuda' asked for, but CUDA is not available here; use --device cpu")
+    path = pull(str(spec), home=home) if str(spec) in ALIASES else Path(spec).expanduser()
+    cache_file = models_dir(home) / "fingerprints.json"
+    if path.is_file():
+        cfg, tokenizer, weights, fp = _read_gguf(path, dt, cache_file)
+    elif path.is_dir():
+        cfg, tokenizer, weights, fp = _read_hf(path, dt, cache_file)
+    else:
+        raise ModelError(f"{spec}: no such file or folder, and not a known alias ({', '.join(ALIASES)})")
+    weights = {k: v.to(dev) for k, v in weights.items()}
+    net = Llama(cfg, weights) if cfg.arch == "llama" else GPT2(cfg, weights)
+    return Model(cfg, tokenizer, fp, dt, dev, str(path), net)
+
+
+def _dtype(dtype: str | torch.dtype | None) -> torch.dtype:
+    if dtype is None:
+        return torch.bfloat16
+    if isinstance(dtype, torch.dtype):
+        if dtype not in DTYPES.values():
+            raise ModelError(f"dtype {dtype} is not supported; use one of {', '.join(DTYPES)}")
+        return dtype
+    if dtype not in DTYPES:
+        raise ModelError(f"dtype {dtype!r} is not supported; use one of {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def _read_gguf(path: Path, dtype: torch.dtype, cache_file: Path):
+    reader = open_gguf(path)
+    meta = gguf_metadata(reader)
+    tensors = gguf_tensors(reader)
+    cfg = ModelConfig.from_gguf(meta, set(tensors))
+    tokenizer = tok.from_gguf(meta)
+    weights = collect(cfg, GGUF, lambda name, dt: dequantize_gguf(tensors[name], dt), set(tensors), dtype, str(path))
+    table = [(t.name, tuple(int(n) for n in t.shape), t.tensor_type.name) for t in tensors.values()]
+    return cfg, tokenizer, weights, model_fingerprint(cfg.to_dict(), table, [path], cache_file)
+
+
+def _read_hf(folder: Path, dtype: torch.dtype, cache_file: Path):
+    config_path = folder / "config.json"
+    if not config_path.exists():
+        raise ModelError(f"{folder}: no config.json; a model folder needs config.json and *.safetensors")
+    cfg = ModelConfig.from_hf(json.loads(config_path.read_text()))
+    files = safetensor_files(folder)
+    raw = read_safetensors(files)
+    tokenizer = tok.from_hf_folder(folder)
+    weights = collect(cfg, HF, lambda name, dt: raw[name].to(dt), set(raw), dtype, str(folder))
+    table = [(name, tuple(t.shape), str(t.dtype)) for name, t in raw.items()]
+    extra = [f for f in (config_path, folder / "tokenizer.json") if f.exists()]
+    return cfg, tokenizer, weights, model_fingerprint(cfg.to_dict(), table, files + extra, cache_file)

@@ -1,0 +1,23 @@
+"""Where kvstore keeps its files: the home directory and the folders inside it."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+ENV_HOME = "KVSTORE_HOME"
+
+
+def home_dir(home: str | os.PathLike | None = None) -> Path:
+    """The kvstore home: the argument, else $KVSTORE_HOME, else click's per-user app directory."""
+    if home is not None:
+        return Path(home).expanduser()
+    if os.environ.get(ENV_HOME):
+        return Path(os.environ[ENV_HOME]).expanduser()
+    import click
+
+    return Path(click.get_app_dir("kvstore"))
+
+
+def models_dir(home: str | os.PathLike | None = None) -> Path:
+    return home_dir(home) / "models"

@@ -1,0 +1,70 @@
+"""Packed extents: `blobs/<hash>.kvz`, one byte-shuffled zstd frame per layer, content-addressed.
+
+The name is the xxh3-128 of the extent's raw bytes (all layers in order), so identical extents,
+forks' shared ones first of all, are stored once. The index keeps each frame's [offset, size] and
+a checksum of the whole file; each frame also carries zstd's own content checksum, and the raw
+bytes are checked against the extent's per-layer checksums after inflating.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import xxhash
+
+from . import codec
+from .errors import CorruptData
+from .fileio import io, write_durable
+
+
+@dataclass
+class Packed:
+    hash: str
+    frames: list[list[int]]
+    size: int
+    file_checksum: str
+
+
+def blob_path(blobs_dir: Path, digest: str) -> Path:
+    return blobs_dir / f"{digest}.kvz"
+
+
+def content_hash(layers: list[np.ndarray]) -> str:
+    h = xxhash.xxh3_128()
+    for d in layers:
+        h.update(memoryview(d).cast("B"))
+    return h.hexdigest()
+
+
+def pack(blobs_dir: Path, layers: list[np.ndarray], itemsize: int) -> Packed:
+    """Write (or find) the blob for one extent's per-layer raw bytes."""
+    digest = content_hash(layers)
+    frames = codec.parallel_map(lambda d: codec.pack_frame(d, itemsize), layers)
+    table, offset = [], 0
+    for f in frames:
+        table.append([offset, len(f)])
+        offset += len(f)
+    body = b"".join(frames)
+    path = blob_path(blobs_dir, digest)
+    if not path.exists():
+        io.mkdir(blobs_dir)
+        write_durable(path, body)
+    return Packed(digest, table, len(body), codec.checksum(body))
+
+
+def unpack(blobs_dir: Path, digest: str, frames: list[list[int]], file_checksum: str, raw_size: int,
+           itemsize: int, *, what: str) -> list[np.ndarray]:
+    """Per-layer raw bytes of a packed extent (checksums of the file and of each frame verified)."""
+    path = blob_path(blobs_dir, digest)
+    try:
+        body = io.read_file(path)
+    except FileNotFoundError:
+        raise CorruptData(f"{what}: blob {path.name} is missing; the session cannot be restored") from None
+    if codec.checksum(body) != file_checksum:
+        raise CorruptData(f"{what}: blob {path.name} fails its checksum; the file was damaged")
+    return codec.parallel_map(
+        lambda i: codec.unpack_frame(body[frames[i][0]:frames[i][0] + frames[i][1]], raw_size, itemsize,
+                                     what=f"{what}, blob {path.name}, layer {i}"),
+        list(range(len(frames))))

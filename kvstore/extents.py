@@ -1,0 +1,68 @@
+"""A session's KV as stored: its ordered extent references, and reading them back verified.
+
+An `ExtentRef` says: the first `n_tokens` of extent `extent_id` sit at positions
+[start, start + n_tokens) of the session. Its bytes are in the raw per-layer files of its segment,
+or, once packed, in a blob. `read_layers` returns the per-layer raw bytes of the whole extent after
+checking every checksum, so a flipped or missing byte is a `CorruptData` naming the session, the
+file, the layer and the extent, never garbage tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from sqlalchemy import select
+from sqlalchemy.orm import Session as DB
+
+from . import blobs, segments
+from .index import BlobRow, ExtentBlobRow, ExtentRow, SegmentRow, SessionExtentRow
+
+
+@dataclass
+class ExtentRef:
+    start: int
+    n_tokens: int  # tokens of the extent used by this session (a prefix of it)
+    extent_id: int
+    segment_id: str
+    offset: int
+    extent_tokens: int
+    checksums: list[str]
+    token_bytes: int
+    blob: BlobRow | None
+
+    @property
+    def raw_size(self) -> int:
+        """Bytes of one layer of the whole extent."""
+        return self.extent_tokens * self.token_bytes
+
+
+def session_extents(db: DB, session_id: str) -> list[ExtentRef]:
+    rows = db.execute(
+        select(SessionExtentRow, ExtentRow, SegmentRow, BlobRow)
+        .join(ExtentRow, SessionExtentRow.extent_id == ExtentRow.id)
+        .join(SegmentRow, ExtentRow.segment_id == SegmentRow.id)
+        .outerjoin(ExtentBlobRow, ExtentBlobRow.extent_id == ExtentRow.id)
+        .outerjoin(BlobRow, BlobRow.hash == ExtentBlobRow.blob_hash)
+        .where(SessionExtentRow.session_id == session_id)
+        .order_by(SessionExtentRow.start)
+    ).all()
+    return [ExtentRef(se.start, se.n_tokens, ex.id, seg.id, ex.offset, ex.n_tokens, list(ex.checksums),
+                      seg.token_bytes, blob) for se, ex, seg, blob in rows]
+
+
+def read_layers(ref: ExtentRef, home: Path, itemsize: int, *, session: str) -> list[np.ndarray]:
+    """Verified raw bytes of every layer of the extent (the whole extent, not just the used prefix)."""
+    what = f"session {session!r}, extent {ref.extent_id}"
+    if ref.blob is not None:
+        b = ref.blob
+        layers = blobs.unpack(home / "blobs", b.hash, b.frames, b.file_checksum, ref.raw_size, itemsize, what=what)
+    else:
+        directory = home / "sessions" / ref.segment_id
+        layers = [segments.read_extent(directory, i, ref.offset, ref.raw_size, what=f"{what}, layer {i}")
+                  for i in range(len(ref.checksums))]
+    for i, (data, expected) in enumerate(zip(layers, ref.checksums)):
+        file = "blob" if ref.blob is not None else segments.layer_path(Path(ref.segment_id), i).as_posix()
+        segments.verify(data, expected, what=f"{what} ({file}), layer {i}")
+    return layers

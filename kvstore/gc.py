@@ -1,0 +1,111 @@
+"""Garbage collection: delete what no session references any more.
+
+In one transaction: extents no session uses, then segments with no extents whose session is gone,
+then blobs no extent uses. Files go only after that commit, so a crash leaves at worst an
+unreferenced file that the next gc removes. Session folders with no index row (a writer killed
+while creating one), stale temp files and the raw files of fully packed segments of sessions no
+one is writing are removed too.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+from sqlalchemy import delete, select
+
+from . import segments
+from .errors import SessionBusy
+from .fileio import io
+from .index import BlobRow, ExtentBlobRow, ExtentRow, SegmentRow, SessionExtentRow, SessionRow
+from .locking import SessionLock
+
+
+def collect(store) -> dict[str, int]:
+    with store.db() as db, db.begin():
+        used = select(SessionExtentRow.extent_id)
+        dead_extents = list(db.scalars(select(ExtentRow.id).where(ExtentRow.id.not_in(used))))
+        if dead_extents:
+            db.execute(delete(ExtentBlobRow).where(ExtentBlobRow.extent_id.in_(dead_extents)))
+            db.execute(delete(ExtentRow).where(ExtentRow.id.in_(dead_extents)))
+        dead_segments = list(db.scalars(
+            select(SegmentRow.id).where(SegmentRow.id.not_in(select(ExtentRow.segment_id)))
+            .where(SegmentRow.id.not_in(select(SessionRow.id)))))
+        if dead_segments:
+            db.execute(delete(SegmentRow).where(SegmentRow.id.in_(dead_segments)))
+        dead_blobs = list(db.scalars(select(BlobRow.hash).where(BlobRow.hash.not_in(select(ExtentBlobRow.blob_hash)))))
+        if dead_blobs:
+            db.execute(delete(BlobRow).where(BlobRow.hash.in_(dead_blobs)))
+        live_segments = set(db.scalars(select(SegmentRow.id)))
+        live_blobs = set(db.scalars(select(BlobRow.hash)))
+    removed_dirs = _remove_dead_dirs(store, live_segments)
+    removed_blobs = _remove_dead_blobs(store, live_blobs)
+    freed = _free_packed_segments(store, live_segments)
+    return {"extents": len(dead_extents), "segments": removed_dirs, "blobs": removed_blobs, "packed_freed": freed}
+
+
+def _remove_dead_dirs(store, live: set[str]) -> int:
+    count = 0
+    if not store.sessions_dir.is_dir():
+        return 0
+    for directory in store.sessions_dir.iterdir():
+        if directory.is_dir() and directory.name not in live:
+            try:  # a folder being created by a writer right now holds its lock
+                lock = SessionLock(directory, directory.name).acquire()
+            except SessionBusy:
+                continue
+            try:
+                with store.db() as db:  # created and committed since our snapshot?
+                    if db.get(SegmentRow, directory.name) is not None:
+                        continue
+                shutil.rmtree(directory, ignore_errors=True)
+                count += 1
+            finally:
+                lock.release()
+    if count:
+        io.fsync_dir(store.sessions_dir)
+    return count
+
+
+def _remove_dead_blobs(store, live: set[str]) -> int:
+    count = 0
+    if not store.blobs_dir.is_dir():
+        return 0
+    for path in store.blobs_dir.iterdir():
+        stem = path.name.removesuffix(".kvz")
+        if (path.name.endswith(".tmp") and not _writer_alive(path.name)) or \
+                (path.name.endswith(".kvz") and stem not in live):
+            io.unlink(path)
+            count += 1
+    return count
+
+
+def _writer_alive(tmp_name: str) -> bool:
+    """Temp files are named `.<name>.<pid>.tmp`: is that process still running?"""
+    try:
+        pid = int(tmp_name.rsplit(".", 2)[-2])
+        os.kill(pid, 0)
+    except (ValueError, IndexError, ProcessLookupError):
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _free_packed_segments(store, live: set[str]) -> int:
+    from .pack import free_packed_segment
+
+    freed = 0
+    for segment_id in live:
+        directory = store.session_dir(segment_id)
+        if not any(segments.LAYER_FILE.fullmatch(p.name) for p in directory.glob("layer-*.kv")):
+            continue
+        try:
+            lock = SessionLock(directory, segment_id).acquire()
+        except SessionBusy:
+            continue
+        try:
+            freed += free_packed_segment(store, segment_id)
+        finally:
+            lock.release()
+    return freed

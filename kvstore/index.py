@@ -1,0 +1,197 @@
+"""The index: SQLAlchemy 2.0 models of what the store holds, and the engine that reaches it.
+
+Tables: models, sessions, checkpoints, segments (a session's per-layer KV files), extents (a
+token range inside a segment, or inside a packed blob), session_extents (which extents make up a
+session's cache, in order; forks share rows of `extents`), token_blocks (token ids, appended per
+checkpoint), messages (chat turns) and blobs (packed extents). The schema is portable (SQLite and
+PostgreSQL); SQLite-only statements live only in `_sqlite_setup`. Alembic migrations in the
+top-level `migrations/` folder (shipped as `kvstore.migrations`) are applied by `connect`.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import (JSON, BigInteger, DateTime, ForeignKey, Integer, LargeBinary, String, Text,
+                        UniqueConstraint, create_engine, event)
+from sqlalchemy.engine import Engine
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+from .errors import UnsupportedFormat
+
+
+def utcnow() -> dt.datetime:
+    return dt.datetime.now(dt.timezone.utc).replace(tzinfo=None)
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class ModelRow(Base):
+    __tablename__ = "models"
+    fingerprint: Mapped[str] = mapped_column(String(64), primary_key=True)
+    arch: Mapped[str] = mapped_column(String(32))
+    config: Mapped[dict[str, Any]] = mapped_column(JSON)
+    source: Mapped[str] = mapped_column(Text)
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime, default=utcnow)
+
+
+class SessionRow(Base):
+    __tablename__ = "sessions"
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    name: Mapped[str] = mapped_column(Text, unique=True)
+    model_fingerprint: Mapped[str] = mapped_column(ForeignKey("models.fingerprint"))
+    dtype: Mapped[str] = mapped_column(String(16))
+    kv_layout: Mapped[dict[str, Any]] = mapped_column(JSON)
+    seed: Mapped[int] = mapped_column(BigInteger)
+    sampler: Mapped[dict[str, Any]] = mapped_column(JSON)
+    chunk_size: Mapped[int] = mapped_column(Integer)
+    checkpoint_every: Mapped[int] = mapped_column(Integer)
+    head: Mapped[int] = mapped_column(Integer, default=0)  # seq of the head checkpoint (compare-and-set)
+    n_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    n_cached: Mapped[int] = mapped_column(Integer, default=0)
+    active_call: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    parent_id: Mapped[str | None] = mapped_column(ForeignKey("sessions.id", ondelete="SET NULL"), nullable=True)
+    fork_position: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime, default=utcnow)
+    updated_at: Mapped[dt.datetime] = mapped_column(DateTime, default=utcnow)
+
+
+class CheckpointRow(Base):
+    __tablename__ = "checkpoints"
+    __table_args__ = (UniqueConstraint("session_id", "seq"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    session_id: Mapped[str] = mapped_column(ForeignKey("sessions.id", ondelete="CASCADE"), index=True)
+    seq: Mapped[int] = mapped_column(Integer)
+    n_tokens: Mapped[int] = mapped_column(Integer)
+    n_cached: Mapped[int] = mapped_column(Integer)
+    reason: Mapped[str] = mapped_column(String(32))
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime, default=utcnow)
+
+
+class SegmentRow(Base):
+    """A set of per-layer append-only files `sessions/<id>/layer-NNN.kv`, written by one session."""
+    __tablename__ = "segments"
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    n_layers: Mapped[int] = mapped_column(Integer)
+    token_bytes: Mapped[int] = mapped_column(Integer)  # bytes of one token in one layer
+    committed_end: Mapped[int] = mapped_column(BigInteger, default=0)  # bytes of each file in use
+
+
+class ExtentRow(Base):
+    """Tokens [start, start + n_tokens) of a session as first written: same offset in every layer file."""
+    __tablename__ = "extents"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    segment_id: Mapped[str] = mapped_column(ForeignKey("segments.id"), index=True)
+    offset: Mapped[int] = mapped_column(BigInteger)
+    n_tokens: Mapped[int] = mapped_column(Integer)
+    checksums: Mapped[list[str]] = mapped_column(JSON)  # xxh3-64 per layer of the raw bytes
+
+
+class SessionExtentRow(Base):
+    """The first n_tokens of an extent sit at positions [start, start + n_tokens) of a session."""
+    __tablename__ = "session_extents"
+    session_id: Mapped[str] = mapped_column(ForeignKey("sessions.id", ondelete="CASCADE"), primary_key=True)
+    start: Mapped[int] = mapped_column(Integer, primary_key=True)
+    extent_id: Mapped[int] = mapped_column(ForeignKey("extents.id"), index=True)
+    n_tokens: Mapped[int] = mapped_column(Integer)
+
+
+class TokenBlockRow(Base):
+    __tablename__ = "token_blocks"
+    session_id: Mapped[str] = mapped_column(ForeignKey("sessions.id", ondelete="CASCADE"), primary_key=True)
+    start: Mapped[int] = mapped_column(Integer, primary_key=True)
+    ids: Mapped[bytes] = mapped_column(LargeBinary)  # int32 little-endian
+
+
+class MessageRow(Base):
+    __tablename__ = "messages"
+    __table_args__ = (UniqueConstraint("session_id", "ordinal"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    session_id: Mapped[str] = mapped_column(ForeignKey("sessions.id", ondelete="CASCADE"), index=True)
+    ordinal: Mapped[int] = mapped_column(Integer)
+    role: Mapped[str] = mapped_column(String(32))
+    text: Mapped[str] = mapped_column(Text)
+    token_start: Mapped[int] = mapped_column(Integer)
+    token_end: Mapped[int] = mapped_column(Integer)
+
+
+class BlobRow(Base):
+    """A packed extent: per layer one shuffled zstd frame, in one content-addressed file."""
+    __tablename__ = "blobs"
+    hash: Mapped[str] = mapped_column(String(64), primary_key=True)
+    frames: Mapped[list[list[int]]] = mapped_column(JSON)  # per layer [offset, size]
+    size: Mapped[int] = mapped_column(BigInteger)
+    file_checksum: Mapped[str] = mapped_column(String(32))
+
+
+class ExtentBlobRow(Base):
+    """Where a packed extent's bytes live now (its raw file range may be gone)."""
+    __tablename__ = "extent_blobs"
+    extent_id: Mapped[int] = mapped_column(ForeignKey("extents.id"), primary_key=True)
+    blob_hash: Mapped[str] = mapped_column(ForeignKey("blobs.hash"), index=True)
+
+
+# -- engine ------------------------------------------------------------------------------------
+def make_engine(url: str) -> Engine:
+    engine = create_engine(url, future=True)
+    if engine.dialect.name == "sqlite":
+        _sqlite_setup(engine)
+    return engine
+
+
+def _sqlite_setup(engine: Engine) -> None:
+    """WAL, synchronous=FULL, foreign keys, a busy timeout, and BEGIN IMMEDIATE for writes."""
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_conn, _record):
+        dbapi_conn.isolation_level = None  # we emit BEGIN ourselves
+        cur = dbapi_conn.cursor()
+        cur.execute("PRAGMA busy_timeout = 30000")
+        cur.execute("PRAGMA journal_mode = WAL")
+        cur.execute("PRAGMA synchronous = FULL")
+        cur.execute("PRAGMA foreign_keys = ON")
+        cur.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(conn):
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+
+def migrations_dir() -> Path:
+    return Path(str(resources.files("kvstore.migrations")))
+
+
+def alembic_config(url: str):
+    from alembic.config import Config
+
+    cfg = Config()
+    cfg.set_main_option("script_location", str(migrations_dir()))
+    cfg.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
+    return cfg
+
+
+def upgrade(engine: Engine, url: str, revision: str = "head") -> None:
+    """Bring the schema to `revision` (no-op when it is there already)."""
+    from alembic import command
+    from alembic.runtime.migration import MigrationContext
+    from alembic.script import ScriptDirectory
+
+    cfg = alembic_config(url)
+    script = ScriptDirectory.from_config(cfg)
+    with engine.connect() as conn:
+        current = MigrationContext.configure(conn).get_current_revision()
+    heads = set(script.get_heads())
+    if revision == "head" and current in heads:
+        return
+    known = {rev.revision for rev in script.walk_revisions()}
+    if current is not None and current not in known:
+        raise UnsupportedFormat(f"the index is at schema revision {current!r}, which this kvstore does not know; "
+                                "upgrade kvstore to open this store")
+    with engine.begin() as conn:
+        cfg.attributes["connection"] = conn
+        command.upgrade(cfg, revision)

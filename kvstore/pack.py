@@ -1,0 +1,61 @@
+"""Packing: a paused session's extents become compressed blobs; its own KV files are freed.
+
+Each extent the session uses is read (checksums verified), packed into a content-addressed blob
+(`blobs.py`), and recorded in `extent_blobs` in one transaction. Blobs are written durably before
+that commit, and the raw files are removed only after it, so a crash at any point leaves every
+extent readable from one place or the other. Extents shared with forks are packed once for all.
+Raw files of other sessions' segments are left alone (their owner may be writing); `gc` frees them.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import select
+
+from . import blobs, segments
+from .extents import read_layers, session_extents
+from .index import BlobRow, ExtentBlobRow, ExtentRow, SessionRow
+from .fileio import io
+
+
+def pack_session(store, session_id: str, name: str) -> dict[str, int]:
+    """Pack every unpacked extent of the session; returns raw and packed byte counts."""
+    with store.db() as db:
+        refs = [r for r in session_extents(db, session_id) if r.blob is None]
+        dtype_size = _itemsize(db.get(SessionRow, session_id).dtype)
+    raw_bytes = packed_bytes = 0
+    new_rows = []
+    for ref in refs:
+        layers = read_layers(ref, store.home, dtype_size, session=name)
+        packed = blobs.pack(store.blobs_dir, layers, dtype_size)
+        new_rows.append((ref.extent_id, packed))
+        raw_bytes += ref.raw_size * len(layers)
+        packed_bytes += packed.size
+    with store.db() as db, db.begin():
+        for extent_id, p in new_rows:
+            if db.get(BlobRow, p.hash) is None:
+                db.add(BlobRow(hash=p.hash, frames=p.frames, size=p.size, file_checksum=p.file_checksum))
+                db.flush()
+            if db.get(ExtentBlobRow, extent_id) is None:
+                db.add(ExtentBlobRow(extent_id=extent_id, blob_hash=p.hash))
+    free_packed_segment(store, session_id)
+    return {"extents": len(refs), "raw_bytes": raw_bytes, "packed_bytes": packed_bytes}
+
+
+def free_packed_segment(store, segment_id: str) -> bool:
+    """Delete a segment's layer files once every extent in it is packed (caller holds its lock)."""
+    with store.db() as db:
+        unpacked = db.scalar(select(ExtentRow.id).where(ExtentRow.segment_id == segment_id)
+                             .where(ExtentRow.id.not_in(select(ExtentBlobRow.extent_id))).limit(1))
+    if unpacked is not None:
+        return False
+    directory = store.session_dir(segment_id)
+    if directory.is_dir():
+        for path in directory.iterdir():
+            if segments.LAYER_FILE.fullmatch(path.name):
+                io.unlink(path)
+        io.fsync_dir(directory)
+    return True
+
+
+def _itemsize(dtype: str) -> int:
+    return {"bfloat16": 2, "float16": 2, "float32": 4}[dtype]

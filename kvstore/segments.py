@@ -1,0 +1,122 @@
+"""Per-layer KV files of one segment: `sessions/<segment>/layer-NNN.kv`, append-only, token-major.
+
+Each file holds raw `[tokens, 2, n_kv_heads, head_dim]` elements of one layer. An extent is the
+same token range in every layer file, at the same page-aligned offset (C5: new bytes never share a
+page with committed ones). `append` reserves space with posix_fallocate before writing (a full disk
+raises StoreFull, never SIGBUS), writes, and fsyncs the files (and the directory when it created
+files); only then may the caller commit the extent in the index. `read_into` reads an extent and
+verifies its per-layer checksums. All file calls go through `fileio.io`.
+"""
+
+from __future__ import annotations
+
+import mmap
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from . import codec
+from .errors import CorruptData
+from .fileio import io, reraise_full
+
+PAGE = mmap.PAGESIZE
+LAYER_FILE = re.compile(r"layer-(\d{3,})\.kv")
+
+
+def layer_path(directory: Path, layer: int) -> Path:
+    return directory / f"layer-{layer:03d}.kv"
+
+
+def align(n: int) -> int:
+    return -(-n // PAGE) * PAGE
+
+
+def as_bytes(t: torch.Tensor) -> np.ndarray:
+    """A contiguous CPU tensor's bytes as a uint8 array (no copy)."""
+    assert t.is_contiguous() and t.device.type == "cpu"
+    return t.reshape(-1).view(torch.uint8).numpy()
+
+
+@dataclass
+class Written:
+    offset: int
+    n_tokens: int
+    checksums: list[str]
+    end: int  # committed_end once this extent is committed
+
+
+def append(directory: Path, committed_end: int, layers: list[torch.Tensor]) -> Written:
+    """Write one extent (per layer `[T, 2, n_kv, hd]` CPU tensors) durably after `committed_end`."""
+    offset = align(committed_end)
+    data = [as_bytes(t.contiguous()) for t in layers]
+    length = data[0].nbytes
+    created = io.mkdir(directory)
+    checksums = [codec.checksum(d) for d in data]
+    fds = []
+    try:
+        for i, d in enumerate(data):
+            path = layer_path(directory, i)
+            created |= not path.exists()
+            fds.append(io.open(path, create=True))
+            io.allocate(fds[-1], offset, length)
+            io.pwrite(fds[-1], d, offset)
+        for fd in fds:
+            io.fsync(fd)
+        if created:
+            io.fsync_dir(directory)
+            io.fsync_dir(directory.parent)
+    except OSError as e:
+        reraise_full(e, f"writing KV to {directory.name}")
+    finally:
+        for fd in fds:
+            io.close(fd)
+    return Written(offset, layers[0].shape[0], checksums, offset + length)
+
+
+def truncate_uncommitted(directory: Path, committed_end: int) -> None:
+    """Drop bytes a killed writer left after the last committed extent (recovery on open)."""
+    if not directory.is_dir():
+        return
+    for path in directory.iterdir():
+        if path.name.endswith(".tmp"):
+            io.unlink(path)
+        elif LAYER_FILE.fullmatch(path.name):
+            fd = io.open(path)
+            try:
+                if io.size(fd) > committed_end:
+                    io.truncate(fd, committed_end)
+                    io.fsync(fd)
+            finally:
+                io.close(fd)
+
+
+def read_extent(directory: Path, layer: int, offset: int, nbytes: int, *, what: str) -> np.ndarray:
+    """The raw bytes of one layer of an extent; CorruptData if the file is missing or short."""
+    path = layer_path(directory, layer)
+    try:
+        fd = io.open_read(path)
+    except FileNotFoundError:
+        raise CorruptData(f"{what}: file {path.name} is missing; the session cannot be restored "
+                          "(restore it from an export, or delete it)") from None
+    try:
+        size = io.size(fd)
+        if size < offset + nbytes:
+            raise CorruptData(f"{what}: file {path.name} is truncated ({size} bytes, the extent needs "
+                              f"{offset + nbytes}); the session cannot be restored")
+        data = np.empty(nbytes, dtype=np.uint8)
+        got = io.pread_into(fd, data, offset)
+    finally:
+        io.close(fd)
+    if got != nbytes:
+        raise CorruptData(f"{what}: short read from {path.name}")
+    return data
+
+
+def verify(data: np.ndarray, expected: str, *, what: str) -> None:
+    actual = codec.checksum(data)
+    if actual != expected:
+        raise CorruptData(f"{what}: checksum mismatch (stored {expected}, read {actual}); the bytes on disk "
+                          "were damaged. Run `kvstore verify` and restore the session from an export or a fork")

@@ -1,0 +1,61 @@
+"""`verify`: read back every byte a session depends on and check the index agrees with itself.
+
+Per session: its head checkpoint exists, its token blocks are contiguous and count n_tokens, its
+extents tile [0, n_cached) without gaps, every extent's bytes (raw files or packed blob) match
+their checksums, and its model is recorded. Problems are reported per session, never raised, so
+one damaged session does not hide the others.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import func, select
+
+from .errors import CorruptData
+from .extents import read_layers, session_extents
+from .index import CheckpointRow, ModelRow, SessionRow
+from .store import read_tokens
+
+ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+def verify_store(store, name: str | None = None) -> dict[str, list[str]]:
+    with store.db() as db:
+        if name is not None:
+            rows = [store.row(db, name)]
+        else:
+            rows = list(db.scalars(select(SessionRow).order_by(SessionRow.name)))
+    return {row.name: verify_session(store, row) for row in rows}
+
+
+def verify_session(store, row: SessionRow) -> list[str]:
+    problems: list[str] = []
+    with store.db() as db:
+        if db.get(ModelRow, row.model_fingerprint) is None:
+            problems.append(f"model {row.model_fingerprint} is not recorded in the index")
+        top = db.scalar(select(func.max(CheckpointRow.seq)).where(CheckpointRow.session_id == row.id))
+        if top != row.head:
+            problems.append(f"head is checkpoint {row.head} but the newest recorded is {top}")
+        try:
+            n_tokens = len(read_tokens(db, row.id))
+        except AssertionError:
+            n_tokens = -1
+            problems.append("token blocks are not contiguous")
+        if n_tokens >= 0 and n_tokens != row.n_tokens:
+            problems.append(f"{n_tokens} token ids stored, head says {row.n_tokens}")
+        if row.n_tokens and row.n_cached > row.n_tokens - 1:
+            problems.append(f"{row.n_cached} cached positions for {row.n_tokens} tokens (one must stay pending)")
+        refs = session_extents(db, row.id)
+    position = 0
+    for ref in refs:
+        if ref.start != position:
+            problems.append(f"KV gap or overlap at position {position} (extent {ref.extent_id} starts at {ref.start})")
+        if ref.n_tokens > ref.extent_tokens:
+            problems.append(f"extent {ref.extent_id} is used for {ref.n_tokens} tokens but holds {ref.extent_tokens}")
+        position = ref.start + ref.n_tokens
+        try:
+            read_layers(ref, store.home, ITEMSIZE[row.dtype], session=row.name)
+        except CorruptData as e:
+            problems.append(str(e))
+    if position != row.n_cached:
+        problems.append(f"extents cover {position} positions, head says {row.n_cached}")
+    return problems

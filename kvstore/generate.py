@@ -55,6 +55,11 @@ class Sequence:
 
     def extend(self, ids: Seq[int]) -> Iterator[int]:
         """Append ids and prefill all pending tokens but the last; yields the cache length per chunk."""
+        self.add(ids)
+        yield from self.prefill()
+
+    def add(self, ids: Seq[int]) -> None:
+        """Append ids without feeding them (they become pending)."""
         ids = [int(i) for i in ids]
         vocab = self.model.config.vocab_size
         if any(not 0 <= i < vocab for i in ids):
@@ -63,7 +68,6 @@ class Sequence:
             raise ModelError(f"{len(self.tokens) + len(ids)} tokens exceed the model's context of "
                              f"{self.model.config.max_context}; start a new session or fork at an earlier point")
         self.tokens.extend(ids)
-        yield from self.prefill()
 
     def prefill(self) -> Iterator[int]:
         """Feed every pending token but the last, chunk by chunk; yields the cache length after each."""

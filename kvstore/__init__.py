@@ -10,6 +10,7 @@ from .generate import Sequence, TokenEvent
 from .model import Model, load_model
 from .pull import pull
 from .sampling import SamplerSettings
+from .store import Store, open_store
 
-__all__ = ["errors", "KVCache", "Sequence", "TokenEvent", "Model", "load_model", "pull", "SamplerSettings"]
+__all__ = ["errors", "KVCache", "Sequence", "TokenEvent", "Model", "load_model", "pull", "SamplerSettings", "Store", "open_store"]
 __version__ = "0.1.0"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -17,7 +18,7 @@ import torch
 from . import tokenizer as tok
 from .cache import KVCache
 from .config import ModelConfig
-from .errors import ModelError
+from .errors import ModelError, UnsupportedModel
 from .fingerprint import model_fingerprint
 from .gpt2 import GPT2
 from .llama import Llama
@@ -95,12 +96,22 @@ def _dtype(dtype: str | torch.dtype | None) -> torch.dtype:
     return DTYPES[dtype]
 
 
+@contextmanager
+def _naming(path: Path):
+    """Say which file an unsupported setting came from."""
+    try:
+        yield
+    except UnsupportedModel as e:
+        raise UnsupportedModel(f"{path}: {e}") from e
+
+
 def _read_gguf(path: Path, dtype: torch.dtype, cache_file: Path):
     reader = open_gguf(path)
     meta = gguf_metadata(reader)
     tensors = gguf_tensors(reader)
-    cfg = ModelConfig.from_gguf(meta, set(tensors))
-    tokenizer = tok.from_gguf(meta)
+    with _naming(path):
+        cfg = ModelConfig.from_gguf(meta, set(tensors))
+        tokenizer = tok.from_gguf(meta)
     weights = collect(cfg, GGUF, lambda name, dt: dequantize_gguf(tensors[name], dt), set(tensors), dtype, str(path))
     table = [(t.name, tuple(int(n) for n in t.shape), t.tensor_type.name) for t in tensors.values()]
     return cfg, tokenizer, weights, model_fingerprint(cfg.to_dict(), table, [path], cache_file)
@@ -110,7 +121,8 @@ def _read_hf(folder: Path, dtype: torch.dtype, cache_file: Path):
     config_path = folder / "config.json"
     if not config_path.exists():
         raise ModelError(f"{folder}: no config.json; a model folder needs config.json and *.safetensors")
-    cfg = ModelConfig.from_hf(json.loads(config_path.read_text()))
+    with _naming(folder):
+        cfg = ModelConfig.from_hf(json.loads(config_path.read_text()))
     files = safetensor_files(folder)
     raw = read_safetensors(files)
     tokenizer = tok.from_hf_folder(folder)

@@ -63,11 +63,16 @@ class Tokenizer:
     def render_chat(self, messages: list[dict[str, str]], *, add_generation_prompt: bool = True) -> str:
         if not self.chat_template:
             raise ModelError("this model has no chat template; feed raw text instead (--raw)")
-        if self._template is None:
-            self._template = _sandbox().from_string(self.chat_template)
-        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                     bos_token=self.special.get("bos_token") or "",
-                                     eos_token=self.special.get("eos_token") or "")
+        from jinja2 import TemplateError
+
+        try:  # a template is model data: its errors (syntax, sandbox refusals, raise_exception) are ours
+            if self._template is None:
+                self._template = _sandbox().from_string(self.chat_template)
+            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                         bos_token=self.special.get("bos_token") or "",
+                                         eos_token=self.special.get("eos_token") or "")
+        except TemplateError as e:
+            raise ModelError(f"the model's chat template failed: {e}") from e
 
     def apply_chat_template(self, messages: list[dict[str, str]], *, add_generation_prompt: bool = True) -> list[int]:
         return self.encode(self.render_chat(messages, add_generation_prompt=add_generation_prompt), add_bos=False)

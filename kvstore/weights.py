@@ -125,7 +125,7 @@ def open_gguf(path: Path):
     try:
         reader = gguf.GGUFReader(path)
     except Exception as e:  # the reader raises bare ValueError/IndexError on damaged files
-        raise TruncatedFile(f"{path}: not a readable GGUF file ({e}); download it again") from e
+        raise TruncatedFile(f"{path}: not a readable GGUF file, truncated or damaged ({e}); download it again") from e
     for t in reader.tensors:
         if t.data_offset + t.n_bytes > size:
             raise TruncatedFile(
@@ -158,7 +158,7 @@ def dequantize_gguf(t, dtype: torch.dtype) -> torch.Tensor:
     if t.tensor_type in (kind.F32, kind.F16):
         array = np.asarray(t.data)
     elif t.tensor_type == kind.BF16:
-        raw = torch.from_numpy(np.ascontiguousarray(t.data).view(np.int16))
+        raw = torch.from_numpy(np.array(t.data, copy=True).view(np.int16))  # not a view of the read-only map
         return raw.view(torch.bfloat16).reshape(shape).to(dtype)
     else:
         try:
@@ -220,15 +220,28 @@ def collect(cfg: ModelConfig, kind: int, fetch, available: set[str], dtype: torc
         if name not in available:
             raise MissingTensor(f"{origin}: tensor {name!r} ({ours}) is missing; the file is incomplete "
                                 f"or not a {cfg.variant} model")
-        t = sanitize(cfg, ours, fetch(name, dtype), kind)
-        if tuple(t.shape) != shape:
-            raise TensorShapeMismatch(f"{origin}: tensor {name!r} has shape {tuple(t.shape)}, "
-                                      f"the config implies {shape}")
-        out[ours] = t
+        t = fetch(name, dtype)
+        # checked in the file's own layout, before `sanitize` reshapes rows or transposes
+        _check_shape(t, _transposed(cfg, ours, kind, shape), name, origin)
+        out[ours] = sanitize(cfg, ours, t, kind)
     extra = source_name(cfg, "rope_freqs", kind) if cfg.arch == "llama" else None
     if extra and extra in available:
-        out["rope_freqs"] = fetch(extra, torch.float32)
+        out["rope_freqs"] = _check_shape(fetch(extra, torch.float32), (cfg.head_dim // 2,), extra, origin)
     return out
+
+
+def _transposed(cfg: ModelConfig, ours: str, kind: int, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """`shape` as the source stores it: HF's GPT-2 Conv1D weights are [in, out]."""
+    if kind == HF and cfg.arch == "gpt2" and ours.split(".", 2)[-1] in GPT2_CONV1D:
+        return shape[::-1]
+    return shape
+
+
+def _check_shape(t: torch.Tensor, shape: tuple[int, ...], name: str, origin: str) -> torch.Tensor:
+    if tuple(t.shape) != shape:
+        raise TensorShapeMismatch(f"{origin}: tensor {name!r} has shape {tuple(t.shape)}, "
+                                  f"the config implies {shape}")
+    return t
 
 
 def sanitize(cfg: ModelConfig, ours: str, t: torch.Tensor, kind: int) -> torch.Tensor:

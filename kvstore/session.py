@@ -47,6 +47,7 @@ class Session:
         self._committed_end = committed_end
         self._dirty_messages: set[int] = set()
         self._call_dirty = False
+        self.on_checkpoint: Callable[[int, int, int], None] | None = None  # (head, n_tokens, n_cached)
 
     # -- opening ---------------------------------------------------------------------------------
     @classmethod
@@ -133,6 +134,8 @@ class Session:
             self._committed_end = written.end
         self._dirty_messages.clear()
         self._call_dirty = False
+        if self.on_checkpoint is not None:
+            self.on_checkpoint(self._head, n_tokens, b)
         return True
 
     def _write_messages(self, db) -> None:

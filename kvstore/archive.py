@@ -1,0 +1,279 @@
+"""Export and import: one self-describing file per session (format documented in docs/ARCHIVE.md).
+
+Layout: magic `\\x89KVS\\r\\n\\x1a\\n`, u32 version, u32 flags, u64 manifest length, u64 xxh3-64 of
+the manifest, the manifest (UTF-8 JSON), then the data region: one byte-shuffled zstd frame per
+extent and layer, at the offsets the manifest lists, each with its raw size and raw xxh3-64.
+Import checks the magic, version, sizes, every frame's declared size (before inflating it) and
+checksum, the model fingerprint and the KV layout before anything is committed; a failure leaves
+the store as it was. Nothing in an archive is a path, and nothing is unpickled.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import uuid
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import xxhash
+from sqlalchemy import select
+
+from . import codec, segments
+from .errors import CorruptData, ModelMismatch, SessionExists, UnsupportedFormat
+from .extents import read_layers, session_extents
+from .fileio import io
+from .index import (CheckpointRow, ExtentRow, MessageRow, ModelRow, SegmentRow, SessionExtentRow, SessionRow,
+                    TokenBlockRow, utcnow)
+from .store import check_name, encode_tokens, read_tokens
+
+MAGIC = b"\x89KVS\r\n\x1a\n"
+VERSION = 1
+HEADER = struct.Struct("<8sIIQQ")  # magic, version, flags, manifest length, manifest xxh3-64
+MAX_MANIFEST = 256 << 20
+ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+# -- export ------------------------------------------------------------------------------------------
+def export_session(store, name: str, path: Path) -> dict[str, Any]:
+    """Write `name` to `path` atomically (temp file, fsync, rename). Returns a summary."""
+    with store.db() as db:
+        row = store.row(db, name)
+        model = db.get(ModelRow, row.model_fingerprint)
+        refs = session_extents(db, row.id)
+        tokens = read_tokens(db, row.id)
+        messages = [{"ordinal": m.ordinal, "role": m.role, "text": m.text, "token_start": m.token_start,
+                     "token_end": m.token_end}
+                    for m in db.scalars(select(MessageRow).where(MessageRow.session_id == row.id)
+                                        .order_by(MessageRow.ordinal))]
+    itemsize = ITEMSIZE[row.dtype]
+    frames, extents, offset = [], [], 0
+    for ref in refs:
+        used = ref.n_tokens * ref.token_bytes
+        entry = {"start": ref.start, "n_tokens": ref.n_tokens, "frames": []}
+        for data in read_layers(ref, store.home, itemsize, session=name):
+            frame = codec.pack_frame(data[:used], itemsize)
+            entry["frames"].append({"offset": offset, "size": len(frame), "raw_size": used,
+                                    "xxh3": codec.checksum(data[:used])})
+            frames.append(frame)
+            offset += len(frame)
+        extents.append(entry)
+    manifest = {
+        "format": "kvstore-archive", "version": VERSION,
+        "session": {"name": row.name, "seed": row.seed, "sampler": row.sampler, "chunk_size": row.chunk_size,
+                    "checkpoint_every": row.checkpoint_every, "dtype": row.dtype, "kv_layout": row.kv_layout,
+                    "active_call": row.active_call, "n_tokens": row.n_tokens, "n_cached": row.n_cached},
+        "model": {"fingerprint": model.fingerprint, "arch": model.arch, "config": model.config,
+                  "source": model.source},
+        "token_bytes": refs[0].token_bytes if refs else _token_bytes(row.kv_layout, row.dtype),
+        "tokens": tokens, "messages": messages, "extents": extents, "data_size": offset,
+    }
+    body = json.dumps(manifest, separators=(",", ":")).encode()
+    header = HEADER.pack(MAGIC, VERSION, 0, len(body), xxhash.xxh3_64_intdigest(body))
+    _write_atomic(path, [header, body, *frames])
+    return {"bytes": HEADER.size + len(body) + offset, "extents": len(extents), "tokens": len(tokens)}
+
+
+def _write_atomic(path: Path, parts: list[bytes]) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = io.open(tmp, create=True)
+    try:
+        io.truncate(fd, 0)
+        offset = 0
+        for part in parts:
+            io.pwrite(fd, part, offset)
+            offset += len(part)
+        io.fsync(fd)
+    except BaseException:
+        io.close(fd)
+        io.unlink(tmp)
+        raise
+    io.close(fd)
+    io.rename(tmp, path)
+    io.fsync_dir(path.parent if str(path.parent) else Path("."))
+
+
+# -- import ------------------------------------------------------------------------------------------
+def read_manifest(path: Path) -> tuple[dict[str, Any], int, int]:
+    """(manifest, data start, data size) after checking magic, version, sizes and the manifest checksum."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(HEADER.size)
+        if len(head) < HEADER.size or head[:8] != MAGIC:
+            raise UnsupportedFormat(f"{path.name} is not a kvstore archive (bad magic); export one with `kvstore export`")
+        magic, version, flags, length, digest = HEADER.unpack(head)
+        if version != VERSION:
+            raise UnsupportedFormat(f"{path.name} is archive format version {version}; this kvstore reads "
+                                    f"version {VERSION} (upgrade kvstore)")
+        if flags != 0:
+            raise UnsupportedFormat(f"{path.name} uses archive flags {flags:#x} this kvstore does not know")
+        if length > MAX_MANIFEST or HEADER.size + length > size:
+            raise CorruptData(f"{path.name}: manifest length {length} does not fit the file ({size} bytes)")
+        body = f.read(length)
+    if xxhash.xxh3_64_intdigest(body) != digest:
+        raise CorruptData(f"{path.name}: the manifest fails its checksum; the archive is damaged")
+    try:
+        manifest = json.loads(body)
+    except (UnicodeDecodeError, ValueError) as e:
+        raise CorruptData(f"{path.name}: the manifest is not valid JSON ({e})") from e
+    return manifest, HEADER.size + length, size - HEADER.size - length
+
+
+def import_session(store, path: Path, name: str | None, model) -> str:
+    """Verify the archive at `path` completely, then commit it as a new session; returns its name."""
+    manifest, data_start, data_size = read_manifest(path)
+    plan = _validate(manifest, data_size, path.name)
+    name = check_name(name if name is not None else plan["session"]["name"])
+    fingerprint = plan["model"]["fingerprint"]
+    if model is not None and model.fingerprint != fingerprint:
+        raise ModelMismatch(f"{path.name} was exported with model {fingerprint[:12]}, not {model.fingerprint[:12]} "
+                            f"({model.source}); import it without a model or with the right one")
+    with store.db() as db:
+        if db.scalar(select(SessionRow.id).where(SessionRow.name == name)):
+            raise SessionExists(f"a session named {name!r} exists; import with another name (--as NAME)")
+        known = db.get(ModelRow, fingerprint)
+        if known is not None and known.config != plan["model"]["config"]:
+            raise CorruptData(f"{path.name}: model {fingerprint[:12]} is recorded here with another config; "
+                              "the archive's model description was altered")
+    session_id = uuid.uuid4().hex
+    directory = store.session_dir(session_id)
+    try:
+        written = _write_extents(path, plan, data_start, directory)
+        _commit(store, plan, name, session_id, written)
+    except BaseException:
+        _discard(directory)
+        raise
+    return name
+
+
+def _write_extents(path: Path, plan: dict[str, Any], data_start: int, directory: Path) -> list:
+    """Inflate and verify every frame, appending each extent to the new segment (not yet committed)."""
+    itemsize, end, written = ITEMSIZE[plan["session"]["dtype"]], 0, []
+    n_kv, hd = plan["session"]["kv_layout"]["per_token"][1:]
+    with open(path, "rb") as f:
+        for e_index, extent in enumerate(plan["extents"]):
+            layers = []
+            for layer, fr in enumerate(extent["frames"]):
+                f.seek(data_start + fr["offset"])
+                what = f"{path.name}: extent {e_index}, layer {layer}"
+                raw = codec.unpack_frame(f.read(fr["size"]), fr["raw_size"], itemsize, what=what)
+                if codec.checksum(raw) != fr["xxh3"]:
+                    raise CorruptData(f"{what}: checksum mismatch; the archive is damaged")
+                layers.append(raw)
+            import torch
+
+            tensors = [torch.from_numpy(np.ascontiguousarray(d)).view(torch.uint8)
+                       .view(extent["n_tokens"], 2, n_kv, hd * itemsize) for d in layers]
+            w = segments.append(directory, end, tensors)
+            end = w.end
+            written.append((extent, w))
+    return written
+
+
+def _commit(store, plan: dict[str, Any], name: str, session_id: str, written: list) -> None:
+    s, m = plan["session"], plan["model"]
+    now = utcnow()
+    with store.db() as db, db.begin():
+        if db.get(ModelRow, m["fingerprint"]) is None:
+            db.add(ModelRow(fingerprint=m["fingerprint"], arch=m["arch"], config=m["config"], source=m["source"],
+                            created_at=now))
+            db.flush()
+        db.add(SessionRow(id=session_id, name=name, model_fingerprint=m["fingerprint"], dtype=s["dtype"],
+                          kv_layout=s["kv_layout"], seed=s["seed"], sampler=s["sampler"], chunk_size=s["chunk_size"],
+                          checkpoint_every=s["checkpoint_every"], head=0, n_tokens=s["n_tokens"],
+                          n_cached=s["n_cached"], active_call=s["active_call"], created_at=now, updated_at=now))
+        db.flush()
+        end = written[-1][1].end if written else 0
+        db.add(SegmentRow(id=session_id, n_layers=s["kv_layout"]["n_layers"], token_bytes=plan["token_bytes"],
+                          committed_end=end))
+        db.flush()
+        db.add(CheckpointRow(session_id=session_id, seq=0, n_tokens=s["n_tokens"], n_cached=s["n_cached"],
+                             reason="import", created_at=now))
+        db.add(TokenBlockRow(session_id=session_id, start=0, ids=encode_tokens(plan["tokens"])))
+        for extent, w in written:
+            row = ExtentRow(segment_id=session_id, offset=w.offset, n_tokens=w.n_tokens, checksums=w.checksums)
+            db.add(row)
+            db.flush()
+            db.add(SessionExtentRow(session_id=session_id, start=extent["start"], extent_id=row.id,
+                                    n_tokens=extent["n_tokens"]))
+        for msg in plan["messages"]:
+            db.add(MessageRow(session_id=session_id, **msg))
+
+
+def _discard(directory: Path) -> None:
+    import shutil
+
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+# -- validation --------------------------------------------------------------------------------------
+def _token_bytes(layout: dict[str, Any], dtype: str) -> int:
+    two, n_kv, hd = layout["per_token"]
+    return two * n_kv * hd * ITEMSIZE[dtype]
+
+
+def _validate(man: Any, data_size: int, file: str) -> dict[str, Any]:
+    """Check the manifest's shape and arithmetic; CorruptData naming the first thing wrong."""
+    def need(ok: bool, what: str) -> None:
+        if not ok:
+            raise CorruptData(f"{file}: {what}; the archive is damaged or forged")
+
+    def is_int(x, lo=0, hi=1 << 62) -> bool:
+        return isinstance(x, int) and not isinstance(x, bool) and lo <= x <= hi
+
+    need(isinstance(man, dict) and man.get("format") == "kvstore-archive", "not a kvstore manifest")
+    s, m = man.get("session"), man.get("model")
+    need(isinstance(s, dict) and isinstance(m, dict), "session or model section missing")
+    need(s.get("dtype") in ITEMSIZE, f"unknown KV dtype {s.get('dtype')!r}")
+    layout = s.get("kv_layout")
+    need(isinstance(layout, dict) and layout.get("order") == "token-major" and isinstance(layout.get("per_token"), list)
+         and len(layout["per_token"]) == 3 and all(is_int(v, 1, 1 << 16) for v in layout["per_token"])
+         and layout["per_token"][0] == 2 and is_int(layout.get("n_layers"), 1, 4096), "bad KV layout")
+    need(isinstance(m.get("fingerprint"), str) and len(m["fingerprint"]) <= 64 and isinstance(m.get("config"), dict)
+         and isinstance(m.get("arch"), str) and isinstance(m.get("source"), str), "bad model section")
+    cfg = m["config"]
+    need(cfg.get("n_layers") == layout["n_layers"] and cfg.get("n_kv_heads") == layout["per_token"][1]
+         and cfg.get("head_dim") == layout["per_token"][2], "KV layout does not match the model config")
+    need(man.get("token_bytes") == _token_bytes(layout, s["dtype"]), "token_bytes does not match the layout")
+    tokens, n_tokens, n_cached = man.get("tokens"), s.get("n_tokens"), s.get("n_cached")
+    vocab = cfg.get("vocab_size")
+    need(is_int(vocab, 1, 1 << 31) and isinstance(tokens, list) and all(is_int(t, 0, vocab - 1) for t in tokens),
+         "token ids missing or out of the model's vocabulary")
+    need(is_int(n_tokens) and n_tokens == len(tokens), "token count does not match")
+    need(is_int(n_cached) and (n_cached <= n_tokens - 1 or n_tokens == n_cached == 0), "cached count out of range")
+    need(is_int(s.get("seed"), -(1 << 63), (1 << 63) - 1) and is_int(s.get("chunk_size"), 1, 1 << 20)
+         and is_int(s.get("checkpoint_every"), 1, 1 << 20) and isinstance(s.get("sampler"), dict),
+         "bad session settings")
+    need(isinstance(s.get("name"), str), "session name missing")
+    need(s.get("active_call") is None or isinstance(s["active_call"], dict), "bad active call")
+    _validate_messages(man.get("messages"), n_tokens, need, is_int)
+    _validate_extents(man, layout, n_cached, data_size, need, is_int)
+    return man
+
+
+def _validate_messages(messages, n_tokens, need, is_int) -> None:
+    need(isinstance(messages, list), "messages missing")
+    for i, msg in enumerate(messages):
+        need(isinstance(msg, dict) and set(msg) == {"ordinal", "role", "text", "token_start", "token_end"}
+             and msg["ordinal"] == i and isinstance(msg["role"], str) and len(msg["role"]) <= 32
+             and isinstance(msg["text"], str) and is_int(msg["token_start"]) and is_int(msg["token_end"])
+             and msg["token_start"] <= msg["token_end"] <= n_tokens, f"bad message {i}")
+
+
+def _validate_extents(man, layout, n_cached, data_size, need, is_int) -> None:
+    extents, position = man.get("extents"), 0
+    need(isinstance(extents, list) and is_int(man.get("data_size")) and man["data_size"] == data_size,
+         f"data region is {data_size} bytes, the manifest says {man.get('data_size')}")
+    for e in extents:
+        need(isinstance(e, dict) and e.get("start") == position and is_int(e.get("n_tokens"), 1, n_cached)
+             and isinstance(e.get("frames"), list) and len(e["frames"]) == layout["n_layers"],
+             f"extent at position {position} malformed")
+        raw = e["n_tokens"] * man["token_bytes"]
+        for fr in e["frames"]:
+            need(isinstance(fr, dict) and is_int(fr.get("offset")) and is_int(fr.get("size"), 1)
+                 and fr["offset"] + fr["size"] <= data_size and fr.get("raw_size") == raw
+                 and isinstance(fr.get("xxh3"), str), f"frame of extent at {position} malformed or out of bounds")
+        position += e["n_tokens"]
+    need(position == n_cached, f"extents cover {position} positions, the session has {n_cached}")

@@ -1,0 +1,154 @@
+"""Helpers for the store tests: reference runs, trace files, and children to kill.
+
+Children are started from a forkserver that has imported torch and kvstore once, so a child
+that loads a tiny model and starts generating costs a fraction of a second; each reports every
+acknowledged checkpoint (`("ack", head, n_tokens, n_cached)`) on a pipe before it can be killed.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import signal
+import time
+from pathlib import Path
+
+import torch
+
+import kvstore
+
+DOCUMENT = "The store keeps every layer's keys and values on disk; a session resumes where it stopped. "
+SAMPLED = {"temperature": 0.9, "top_k": 40, "top_p": 0.95}
+_CTX = None
+
+
+def context():
+    global _CTX
+    if _CTX is None:
+        _CTX = multiprocessing.get_context("forkserver")
+        _CTX.set_forkserver_preload(["torch", "kvstore", "store_harness"])
+    return _CTX
+
+
+def read_trace(path: Path) -> list[dict]:
+    """Complete JSON lines of a trace (a line cut by a kill is ignored)."""
+    if not Path(path).exists():
+        return []
+    out = []
+    for line in Path(path).read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            pass
+    return out
+
+
+def by_position(lines: list[dict]) -> dict[int, dict]:
+    table: dict[int, dict] = {}
+    for line in lines:
+        assert table.setdefault(line["position"], line) == line, f"two different draws at {line['position']}"
+    return table
+
+
+def reference_run(home: Path, model, name: str, n_new: int, trace: Path, *, seed: int = 5, chunk_size: int = 16,
+                  checkpoint_every: int = 4, **sampling) -> list[int]:
+    """An uninterrupted session: document, then n_new tokens; returns all its token ids."""
+    store = kvstore.open_store(home)
+    with store.new(name, model, seed=seed, chunk_size=chunk_size, checkpoint_every=checkpoint_every,
+                   **sampling) as s:
+        s.append_text(DOCUMENT)
+        list(s.generate(n_new, trace=trace, stop_at_eos=False))
+        tokens = list(s.tokens)
+    store.close()
+    return tokens
+
+
+# -- children --------------------------------------------------------------------------------------
+def _report(conn):
+    def on_checkpoint(head, n_tokens, n_cached):
+        conn.send(("ack", head, n_tokens, n_cached))
+    return on_checkpoint
+
+
+def child_generate(home: str, model_path: str, name: str, n_new: int, trace: str, threads: int, conn) -> None:
+    """Open an existing session and generate; every checkpoint is reported before going on."""
+    torch.set_num_threads(threads)
+    model = kvstore.load_model(model_path)
+    store = kvstore.open_store(home)
+    session = store.open(name, model)
+    session.on_checkpoint = _report(conn)
+    conn.send(("ready", len(session.tokens)))
+    for _ in session.generate(n_new, trace=trace, stop_at_eos=False):
+        pass
+    session.close()
+    conn.send(("done", len(session.tokens)))
+
+
+def child_new_document(home: str, model_path: str, name: str, text: str, chunk_size: int, conn, **sampling) -> None:
+    """Create a session and prefill a document chunk by chunk, reporting each checkpoint."""
+    torch.set_num_threads(2)
+    model = kvstore.load_model(model_path)
+    store = kvstore.open_store(home)
+    session = store.new(name, model, seed=5, chunk_size=chunk_size, checkpoint_every=4, **sampling)
+    session.on_checkpoint = _report(conn)
+    conn.send(("ready", 0))
+    session.append_text(text)
+    session.close()
+    conn.send(("done", len(session.tokens)))
+
+
+def start(target, *args):
+    """Run target(*args, conn) in a child; returns (process, parent end of the pipe)."""
+    ctx = context()
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=target, args=(*args, child), daemon=True)
+    proc.start()
+    child.close()
+    return proc, parent
+
+
+def wait_for(conn, kind: str, timeout: float = 60.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if conn.poll(max(0.0, deadline - time.monotonic())):
+            msg = conn.recv()
+            if msg[0] == kind:
+                return msg
+    raise TimeoutError(f"child sent no {kind!r}")
+
+
+def kill_after(proc, conn, delay: float) -> list[tuple]:
+    """SIGKILL the child `delay` seconds from now (or when it ends); returns every message it sent."""
+    messages = []
+    deadline = time.monotonic() + delay
+    while time.monotonic() < deadline and proc.is_alive():
+        if conn.poll(max(0.0, min(0.005, deadline - time.monotonic()))):
+            messages.append(conn.recv())
+    if proc.is_alive():
+        os.kill(proc.pid, signal.SIGKILL)
+    proc.join(10)
+    while True:
+        try:
+            if not conn.poll(0):
+                break
+            messages.append(conn.recv())
+        except (EOFError, OSError):
+            break
+    return messages
+
+
+def run_to_end(proc, conn, timeout: float = 120.0) -> list[tuple]:
+    messages = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if conn.poll(0.05):
+                messages.append(conn.recv())
+                if messages[-1][0] == "done":
+                    break
+        except EOFError:
+            break
+    proc.join(30)
+    assert proc.exitcode == 0, f"child failed with exit code {proc.exitcode}"
+    return messages

@@ -1,0 +1,205 @@
+"""Contract C1: a session that is checkpointed, closed or killed, and resumed produces exactly the
+tokens and logits bits (equal trace lines: sha256 of every float32 logits row) of a run that never
+stopped — in the same process, in a new process, after SIGKILL at random moments, after a kill
+mid-prefill, through fork, pack and export/import, and across a new chat turn."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import kvstore
+import store_harness as H
+
+N_NEW = 48
+MODES = {"greedy": {}, "sampled": H.SAMPLED}
+
+
+@pytest.fixture(scope="module")
+def model_path(tiny):
+    return str(tiny("llama-gqa").folder)
+
+
+@pytest.fixture(scope="module")
+def model(model_path):
+    return kvstore.load_model(model_path)
+
+
+@pytest.fixture(scope="module", params=sorted(MODES))
+def mode(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, model, mode):
+    """(tokens, trace lines by position) of an uninterrupted run with N_NEW new tokens."""
+    tmp = tmp_path_factory.mktemp(f"reference-{mode}")
+    trace = tmp / "reference.jsonl"
+    tokens = H.reference_run(tmp / "home", model, "ref", N_NEW, trace, **MODES[mode])
+    return tokens, H.by_position(H.read_trace(trace))
+
+
+def new_session(home, model, mode, name="s"):
+    store = kvstore.open_store(home)
+    s = store.new(name, model, seed=5, chunk_size=16, checkpoint_every=4, **MODES[mode])
+    s.append_text(H.DOCUMENT)
+    return store, s
+
+
+def assert_matches(reference, tokens, trace_lines):
+    ref_tokens, ref_lines = reference
+    assert tokens == ref_tokens
+    got = H.by_position(trace_lines)
+    assert got, "the resumed run traced nothing"
+    for position, line in got.items():
+        assert line == ref_lines[position], f"position {position} differs from the uninterrupted run"
+
+
+def test_close_and_reopen_in_the_same_process(tmp_path, model, mode, reference):
+    store, s = new_session(tmp_path / "home", model, mode)
+    trace = tmp_path / "t.jsonl"
+    list(s.generate(N_NEW // 3, trace=trace, stop_at_eos=False))
+    s.close()
+    with store.open("s", model) as s:
+        list(s.generate(N_NEW - N_NEW // 3, trace=trace, stop_at_eos=False))
+        assert_matches(reference, s.tokens, H.read_trace(trace))
+
+
+def test_resume_in_a_new_process(tmp_path, model_path, model, mode, reference):
+    store, s = new_session(tmp_path / "home", model, mode)
+    s.close()
+    trace = tmp_path / "t.jsonl"
+    proc, conn = H.start(H.child_generate, str(tmp_path / "home"), model_path, "s", N_NEW, str(trace), 2)
+    H.run_to_end(proc, conn)
+    assert_matches(reference, store.tokens("s"), H.read_trace(trace))
+
+
+def test_cache_reloads_with_identical_bytes(tmp_path, model, mode):
+    store, s = new_session(tmp_path / "home", model, mode)
+    list(s.generate(10, stop_at_eos=False))
+    live = [t.clone() for t in s.seq.cache.state()]
+    s.close()
+    with store.open("s", model) as again:
+        assert all(torch.equal(a, b) for a, b in zip(live, again.seq.cache.state()))
+        assert again.pending == [again.tokens[-1]]  # C2: the last sampled token is not yet fed
+
+
+@pytest.mark.parametrize("round_", range(10))
+def test_sigkill_at_a_random_moment_during_generation(tmp_path, model_path, model, mode, reference, round_):
+    rng = random.Random(f"{mode}-{round_}")
+    store, s = new_session(tmp_path / "home", model, mode)
+    s.close()
+    trace = tmp_path / "t.jsonl"
+    proc, conn = H.start(H.child_generate, str(tmp_path / "home"), model_path, "s", N_NEW, str(trace), 2)
+    H.wait_for(conn, "ready")
+    messages = H.kill_after(proc, conn, rng.uniform(0.0, 0.25))
+    acked = [m for m in messages if m[0] == "ack"]
+    with store.open("s", model) as s:
+        if acked:  # C4: no acknowledged checkpoint is lost
+            assert len(s.tokens) >= acked[-1][2]
+        if s.active_call:
+            for _ in s.resume(trace=trace):
+                pass
+        else:  # killed before the call was first recorded, or after it ended
+            list(s.generate(len(reference[0]) - len(s.tokens), trace=trace, stop_at_eos=False))
+        assert_matches(reference, s.tokens, H.read_trace(trace))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("round_", range(10, 60))
+def test_sigkill_many_more_moments(tmp_path, model_path, model, mode, reference, round_):
+    test_sigkill_at_a_random_moment_during_generation(tmp_path, model_path, model, mode, reference, round_)
+
+
+@pytest.mark.parametrize("kill_after_acks", [1, 3, 6])
+def test_kill_mid_prefill_resumes_at_the_next_chunk(tmp_path, model_path, model, kill_after_acks):
+    document = H.DOCUMENT * 2
+    ref_store = kvstore.open_store(tmp_path / "ref")
+    with ref_store.new("d", model, seed=5, chunk_size=8) as ref:
+        ref.append_text(document)
+        ref_trace = tmp_path / "ref.jsonl"
+        list(ref.generate(8, trace=ref_trace, stop_at_eos=False))
+    proc, conn = H.start(H.child_new_document, str(tmp_path / "home"), model_path, "d", document, 8)
+    H.wait_for(conn, "ready")
+    for _ in range(kill_after_acks):
+        H.wait_for(conn, "ack")
+    H.kill_after(proc, conn, 0.0)
+    store = kvstore.open_store(tmp_path / "home")
+    with store.open("d", model) as s:
+        assert len(s.tokens) == len(ref_store.tokens("d")) - 8  # the whole document was recorded first
+        assert s.seq.cache.length % 8 == 0 or s.seq.cache.length == len(s.tokens) - 1
+        trace = tmp_path / "t.jsonl"
+        list(s.generate(8, trace=trace, stop_at_eos=False))
+        assert H.read_trace(trace) == H.read_trace(ref_trace)
+
+
+def test_fork_then_continue_replays_the_parent(tmp_path, model, mode, reference):
+    store, s = new_session(tmp_path / "home", model, mode)
+    list(s.generate(N_NEW, stop_at_eos=False))
+    fork_at = len(reference[0]) - N_NEW + 20  # a decode position: the child re-draws the parent's tokens
+    child = s.fork("child", at=fork_at)
+    s.close()
+    trace = tmp_path / "child.jsonl"
+    list(child.generate(N_NEW - 20, trace=trace, stop_at_eos=False))
+    assert_matches(reference, child.tokens, H.read_trace(trace))
+    child.close()
+
+
+def test_store_level_fork_then_continue(tmp_path, model, mode, reference):
+    store, s = new_session(tmp_path / "home", model, mode)
+    list(s.generate(10, stop_at_eos=False))
+    s.close()
+    store.fork("s", "copy")
+    trace = tmp_path / "t.jsonl"
+    with store.open("copy", model) as c:
+        list(c.generate(N_NEW - 10, trace=trace, stop_at_eos=False))
+        assert_matches(reference, c.tokens, H.read_trace(trace))
+
+
+def test_pack_then_unpack_on_open(tmp_path, model, mode, reference):
+    store, s = new_session(tmp_path / "home", model, mode)
+    list(s.generate(10, stop_at_eos=False))
+    s.close()
+    stats = store.pack("s")
+    assert stats["packed_bytes"] < stats["raw_bytes"]
+    assert not list((tmp_path / "home" / "sessions").glob("*/layer-*.kv"))  # the raw files are freed
+    trace = tmp_path / "t.jsonl"
+    with store.open("s", model) as s:
+        list(s.generate(N_NEW - 10, trace=trace, stop_at_eos=False))
+        assert_matches(reference, s.tokens, H.read_trace(trace))
+
+
+def test_export_then_import_into_another_home(tmp_path, model, mode, reference):
+    store, s = new_session(tmp_path / "home", model, mode)
+    list(s.generate(10, stop_at_eos=False))
+    s.close()
+    store.export("s", tmp_path / "s.kvs")
+    other = kvstore.open_store(tmp_path / "other-home")
+    assert other.import_(tmp_path / "s.kvs", model=model) == "s"
+    trace = tmp_path / "t.jsonl"
+    with other.open("s", model) as s:
+        list(s.generate(N_NEW - 10, trace=trace, stop_at_eos=False))
+        assert_matches(reference, s.tokens, H.read_trace(trace))
+
+
+def test_a_new_chat_turn_after_resume(tmp_path, model, mode):
+    turns = ["What does the store keep?", "And when a session stops?"]
+
+    def chat(s, message, trace):
+        return "".join(s.chat(message, max_new_tokens=12, trace=trace))
+
+    live_store = kvstore.open_store(tmp_path / "live")
+    with live_store.new("c", model, seed=3, system="Be brief.", **MODES[mode]) as live:
+        live_replies = [chat(live, t, tmp_path / "live.jsonl") for t in turns]
+    store = kvstore.open_store(tmp_path / "home")
+    with store.new("c", model, seed=3, system="Be brief.", **MODES[mode]) as s:
+        first = chat(s, turns[0], tmp_path / "resumed.jsonl")
+    with store.open("c", model) as s:
+        second = chat(s, turns[1], tmp_path / "resumed.jsonl")
+        assert s.tokens == live_store.tokens("c")
+    assert [first, second] == live_replies
+    assert H.read_trace(tmp_path / "resumed.jsonl") == H.read_trace(tmp_path / "live.jsonl")
+    roles = [m.role for m in store.messages("c")]
+    assert roles == ["system", "user", "assistant", "user", "assistant"]

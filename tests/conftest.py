@@ -1,0 +1,94 @@
+"""Shared fixtures: a private kvstore home per test, tiny random models, the real SmolLM2 GGUF.
+
+Tiny models are built once per test session, on first use (see `engine_models.py`). The real model
+is pulled once per session into a temporary home, unless $KVSTORE_TEST_HOME names a home that has
+it already; transformers' reference of it is loaded once per session too.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import engine_models  # noqa: E402
+
+TEST_HOME_ENV = "KVSTORE_TEST_HOME"
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _private_home(tmp_path, monkeypatch):
+    """Nothing a test does lands in the user's kvstore home."""
+    monkeypatch.setenv("KVSTORE_HOME", str(tmp_path / "kvstore-home"))
+
+
+# -- tiny random models --------------------------------------------------------------------------
+@pytest.fixture(scope="session")
+def tiny_tokenizer():
+    return engine_models.build_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory, tiny_tokenizer):
+    """`tiny(name)` -> engine_models.TinyModel, built once per session (names: engine_models.SPECS)."""
+    built: dict[str, engine_models.TinyModel] = {}
+    workdir = tmp_path_factory.mktemp("tiny-models")
+
+    def get(name: str) -> engine_models.TinyModel:
+        if name not in built:
+            built[name] = engine_models.build_tiny_model(name, workdir, tiny_tokenizer)
+        return built[name]
+
+    return get
+
+
+# -- the real model ------------------------------------------------------------------------------
+@pytest.fixture(scope="session")
+def smollm2_path(tmp_path_factory) -> Path:
+    import kvstore
+    from kvstore.paths import models_dir
+    from kvstore.pull import ALIASES
+
+    home = os.environ.get(TEST_HOME_ENV)
+    if home and (models_dir(home) / ALIASES["smollm2"].filename).exists():
+        return kvstore.pull("smollm2", home=home, quiet=True)
+    return kvstore.pull("smollm2", home=tmp_path_factory.mktemp("kvhome"), quiet=True)
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_path):
+    """Our SmolLM2, float32 (the reference comparisons need it)."""
+    import kvstore
+
+    return kvstore.load_model(smollm2_path, dtype="float32", home=smollm2_path.parent.parent)
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2_tokenizer(smollm2_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(smollm2_path.parent), gguf_file=smollm2_path.name)
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2(smollm2_path):
+    """transformers' SmolLM2 from the same GGUF (dequantized), float32, eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(smollm2_path.parent), gguf_file=smollm2_path.name,
+                                                 dtype=torch.float32)
+    return model.eval()

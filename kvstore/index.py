@@ -11,6 +11,7 @@ top-level `migrations/` folder (shipped as `kvstore.migrations`) are applied by 
 from __future__ import annotations
 
 import datetime as dt
+from contextlib import contextmanager
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -18,9 +19,10 @@ from typing import Any
 from sqlalchemy import (JSON, BigInteger, DateTime, ForeignKey, Integer, LargeBinary, String, Text,
                         UniqueConstraint, create_engine, event)
 from sqlalchemy.engine import Engine
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-from .errors import UnsupportedFormat
+from .errors import StoreFull, UnsupportedFormat
 
 
 def utcnow() -> dt.datetime:
@@ -195,3 +197,15 @@ def upgrade(engine: Engine, url: str, revision: str = "head") -> None:
     with engine.begin() as conn:
         cfg.attributes["connection"] = conn
         command.upgrade(cfg, revision)
+
+
+@contextmanager
+def store_full_on_disk_full(what: str):
+    """SQLite's "database or disk is full" is the same condition as ENOSPC: raise StoreFull."""
+    try:
+        yield
+    except OperationalError as e:
+        if "full" in str(e.orig).lower():
+            raise StoreFull(f"{what}: the disk is full; the last checkpoint is intact. "
+                            "Free some space (kvstore gc, kvstore rm) and try again") from e
+        raise

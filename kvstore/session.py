@@ -22,7 +22,7 @@ from .chat import turn_ids
 from .errors import CorruptData, KvstoreError, ModelMismatch, SessionBusy
 from .extents import read_layers, session_extents
 from .generate import Sequence, TokenEvent
-from .index import (CheckpointRow, ExtentRow, MessageRow, ModelRow, SegmentRow, SessionExtentRow, SessionRow,
+from .index import (CheckpointRow, store_full_on_disk_full, ExtentRow, MessageRow, ModelRow, SegmentRow, SessionExtentRow, SessionRow,
                     TokenBlockRow, utcnow)
 from .locking import SessionLock
 from .sampling import SamplerSettings
@@ -108,7 +108,7 @@ class Session:
         if b > a:
             layers = [t.to("cpu").contiguous() for t in self.seq.cache.state(a, b)]
             written = segments.append(self.directory, self._committed_end, layers)
-        with self.store.db() as db, db.begin():
+        with self.store.db() as db, store_full_on_disk_full(f"checkpoint of {self.name!r}"), db.begin():
             moved = db.execute(update(SessionRow).where(SessionRow.id == self.id, SessionRow.head == self._head)
                                .values(head=self._head + 1, n_tokens=n_tokens, n_cached=b,
                                        active_call=self.active_call, sampler=self.settings.to_dict(),

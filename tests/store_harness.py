@@ -152,3 +152,48 @@ def run_to_end(proc, conn, timeout: float = 120.0) -> list[tuple]:
     proc.join(30)
     assert proc.exitcode == 0, f"child failed with exit code {proc.exitcode}"
     return messages
+
+
+# -- a tiny full disk --------------------------------------------------------------------------------
+def enospc_child(home: str, model_path: str) -> None:
+    """Run inside `unshare -rm` with `home` on a small tmpfs: fill it, hit ENOSPC, recover; print JSON."""
+    import errno
+
+    from kvstore.errors import StoreFull
+
+    model = kvstore.load_model(model_path)
+    store = kvstore.open_store(home)
+    result = {}
+    with store.new("s", model, seed=1, checkpoint_every=2) as s:
+        s.append_text(DOCUMENT)
+        list(s.generate(4, stop_at_eos=False))
+    committed = store.tokens("s")
+    filler = Path(home) / "filler"
+    with open(filler, "wb", buffering=0) as f:  # take every free byte
+        try:
+            while True:
+                f.write(b"\0" * 4096)
+        except OSError as e:
+            result["filler_errno"] = e.errno == errno.ENOSPC
+    s = store.open("s", model)
+    try:
+        list(s.generate(100, stop_at_eos=False))
+        result["raised"] = None
+    except StoreFull as e:
+        result["raised"] = "StoreFull"
+        result["message"] = str(e)
+    finally:
+        try:
+            s.close()
+        except StoreFull:
+            result["close_raised"] = "StoreFull"
+    result["alive"] = True
+    result["lock_released"] = not s.lock.held
+    with store.open("s", model) as again:  # the last good checkpoint loads
+        result["tokens_ok"] = again.tokens[: len(committed)] == committed
+        result["loads"] = True
+        filler.unlink()
+        list(again.generate(4, stop_at_eos=False))  # space is back: checkpoints work again
+        again.checkpoint()
+    result["verify"] = store.verify("s")
+    print("RESULT " + json.dumps(result))

@@ -1,0 +1,289 @@
+"""Contracts C4–C8 at the store level: corrupt or truncated files, a deleted index, the wrong
+model, two writers, a killed writer, a full disk, hostile names and forged archives all end in a
+precise error and lose nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import xxhash
+import zstandard
+from safetensors.torch import load_file, save_file
+
+import kvstore
+import store_harness as H
+from kvstore.archive import HEADER, MAGIC
+from kvstore.errors import (CorruptData, InvalidName, ModelMismatch, SessionBusy, SessionNotFound, StoreMissing,
+                            UnsupportedFormat)
+
+
+@pytest.fixture(scope="module")
+def model_path(tiny):
+    return str(tiny("llama-gqa").folder)
+
+
+@pytest.fixture(scope="module")
+def model(model_path):
+    return kvstore.load_model(model_path)
+
+
+@pytest.fixture
+def store(tmp_path):
+    return kvstore.open_store(tmp_path / "home")
+
+
+@pytest.fixture
+def saved(store, model):
+    """A closed session with a document and a few generated tokens."""
+    with store.new("s", model, seed=1, chunk_size=16, checkpoint_every=4) as s:
+        s.append_text(H.DOCUMENT)
+        list(s.generate(8, stop_at_eos=False))
+    return store
+
+
+def layer_file(store, name="s", layer=0) -> Path:
+    return store.session_dir(store.info(name).id) / f"layer-{layer:03d}.kv"
+
+
+def flip_byte(path: Path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x40
+    path.write_bytes(bytes(data))
+
+
+# -- damaged bytes ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("offset", [0, 1000, -1])
+def test_a_flipped_byte_in_an_extent_is_caught_on_open_and_by_verify(saved, model, offset):
+    path = layer_file(saved, layer=1)
+    flip_byte(path, offset if offset >= 0 else path.stat().st_size + offset)
+    with pytest.raises(CorruptData, match=r"session 's', extent \d+.*layer 1.*checksum"):
+        saved.open("s", model)
+    problems = saved.verify()["s"]
+    assert len(problems) == 1 and "checksum mismatch" in problems[0]
+
+
+def test_a_truncated_file_is_corrupt_data(saved, model):
+    path = layer_file(saved)
+    os.truncate(path, path.stat().st_size - 10)
+    with pytest.raises(CorruptData, match="truncated"):
+        saved.open("s", model)
+    assert saved.verify()["s"]
+
+
+def test_a_missing_file_is_corrupt_data(saved, model):
+    layer_file(saved).unlink()
+    with pytest.raises(CorruptData, match="missing"):
+        saved.open("s", model)
+
+
+def test_a_flipped_byte_in_a_packed_blob_is_caught(saved, model):
+    saved.pack("s")
+    blob = next((saved.home / "blobs").glob("*.kvz"))
+    flip_byte(blob, blob.stat().st_size // 2)
+    with pytest.raises(CorruptData, match="blob"):
+        saved.open("s", model)
+    assert saved.verify()["s"]
+
+
+def test_a_deleted_index_is_reported_and_not_recreated(saved, tmp_path):
+    saved.close()
+    (tmp_path / "home" / "kvstore.db").unlink()
+    for extra in (tmp_path / "home").glob("kvstore.db-*"):
+        extra.unlink()
+    with pytest.raises(StoreMissing, match="kvstore.db is missing"):
+        kvstore.open_store(tmp_path / "home")
+    assert not (tmp_path / "home" / "kvstore.db").exists()
+
+
+def test_a_clean_store_verifies(saved):
+    assert saved.verify() == {"s": []}
+
+
+# -- identity ----------------------------------------------------------------------------------------
+def test_the_same_architecture_with_other_weights_is_a_model_mismatch(saved, model_path, tmp_path):
+    other = tmp_path / "other-model"
+    shutil.copytree(model_path, other)
+    weights = load_file(other / "model.safetensors")
+    name = next(k for k in weights if k.endswith("q_proj.weight"))
+    weights[name] = weights[name] + 0.01
+    save_file(weights, other / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelMismatch, match="other weights"):
+        saved.open("s", kvstore.load_model(other))
+
+
+def test_another_dtype_is_a_model_mismatch(saved, model_path):
+    with pytest.raises(ModelMismatch, match="bfloat16.*float32"):
+        saved.open("s", kvstore.load_model(model_path, dtype="float32"))
+
+
+def test_the_model_is_found_from_the_session_when_not_given(saved):
+    with saved.open("s") as s:
+        assert len(s.tokens) == saved.info("s").n_tokens
+
+
+# -- writers -------------------------------------------------------------------------------------------
+def test_a_second_writer_in_the_same_process_is_busy(saved, model):
+    with saved.open("s", model):
+        with pytest.raises(SessionBusy, match="another process"):
+            saved.open("s", model)
+
+
+def test_a_second_writer_in_another_process_is_busy_at_once_and_free_after_a_kill(saved, model, model_path, tmp_path):
+    proc, conn = H.start(H.child_generate, str(tmp_path / "home"), model_path, "s", 100000, str(tmp_path / "t"), 1)
+    H.wait_for(conn, "ready")
+    started = time.monotonic()
+    with pytest.raises(SessionBusy):
+        saved.open("s", model)
+    assert time.monotonic() - started < 1.0
+    H.kill_after(proc, conn, 0.05)
+    with saved.open("s", model) as s:  # the kernel released the dead writer's lock
+        assert s.tokens
+
+
+def test_delete_waits_for_no_writer(saved, model):
+    with saved.open("s", model):
+        with pytest.raises(SessionBusy):
+            saved.delete("s")
+    saved.delete("s")
+    with pytest.raises(SessionNotFound):
+        saved.open("s", model)
+
+
+# -- a full disk ----------------------------------------------------------------------------------------
+def _can_unshare() -> bool:
+    if not shutil.which("unshare"):
+        return False
+    probe = subprocess.run(["unshare", "-rm", "sh", "-c", "mount -t tmpfs -o size=64k tmpfs /mnt 2>/dev/null || "
+                            "mount -t tmpfs -o size=64k tmpfs /tmp"], capture_output=True)
+    return probe.returncode == 0
+
+
+@pytest.mark.skipif(not _can_unshare(), reason="needs `unshare -rm` and tmpfs mounts (user namespaces)")
+def test_a_full_disk_raises_store_full_and_keeps_the_last_checkpoint(tmp_path, model_path):
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    tests_dir = Path(__file__).parent
+    code = f"import store_harness; store_harness.enospc_child({str(disk / 'home')!r}, {model_path!r})"
+    cmd = f"mount -t tmpfs -o size=3m tmpfs {disk} && exec {sys.executable} -c {json.dumps(code)}"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tests_dir), os.environ.get("PYTHONPATH", "")]))
+    run = subprocess.run(["unshare", "-rm", "sh", "-c", cmd], capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout.split("RESULT ", 1)[1])
+    assert result["raised"] == "StoreFull" and "disk is full" in result["message"]
+    assert result["alive"] and result["lock_released"] and result["loads"] and result["tokens_ok"]
+    assert result["verify"] == {"s": []}
+
+
+# -- hostile input ----------------------------------------------------------------------------------------
+HOSTILE = ["../x", "/etc/passwd", "a/b", "a\\b", "nul\0byte", "x" * 10_000, "", ".hidden", "-rf", "new\nline",
+           "..", "a b"]
+
+
+@pytest.mark.parametrize("name", HOSTILE)
+def test_hostile_names_are_refused_and_nothing_is_written_outside_the_home(tmp_path, model, name):
+    before = sorted(p.name for p in tmp_path.iterdir())
+    store = kvstore.open_store(tmp_path / "home")
+    with pytest.raises(InvalidName):
+        store.new(name, model)
+    with pytest.raises(InvalidName):
+        store.open(name, model)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(set(before) | {"home"})
+    assert store.names() == []
+
+
+def test_names_are_labels_never_paths(store, model):
+    with store.new("report:q3@2026+draft.v1", model) as s:
+        s.append_text("hello")
+    assert [p.name for p in store.sessions_dir.iterdir()] == [store.info("report:q3@2026+draft.v1").id]
+
+
+def _archive_parts(path: Path):
+    data = path.read_bytes()
+    _, version, flags, length, _ = HEADER.unpack(data[:HEADER.size])
+    manifest = json.loads(data[HEADER.size:HEADER.size + length])
+    return manifest, data[HEADER.size + length:]
+
+
+def _write_archive(path: Path, manifest, payload: bytes, version: int = 1) -> None:
+    body = json.dumps(manifest).encode()
+    path.write_bytes(HEADER.pack(MAGIC, version, 0, len(body), xxhash.xxh3_64_intdigest(body)) + body + payload)
+
+
+def test_an_archive_with_a_forged_decompressed_size_is_refused_before_inflating(saved, tmp_path):
+    saved.export("s", tmp_path / "s.kvs")
+    manifest, payload = _archive_parts(tmp_path / "s.kvs")
+    bomb = zstandard.ZstdCompressor().compress(b"\0" * (64 << 20))  # declares 64 MiB in its header
+    frame = manifest["extents"][0]["frames"][0]
+    frame["offset"], frame["size"] = len(payload), len(bomb)
+    manifest["data_size"] = len(payload) + len(bomb)
+    _write_archive(tmp_path / "bomb.kvs", manifest, payload + bomb)
+    other = kvstore.open_store(tmp_path / "other")
+    with pytest.raises(CorruptData, match="declares 67108864 bytes"):
+        other.import_(tmp_path / "bomb.kvs")
+    assert other.names() == [] and not any(other.sessions_dir.iterdir())
+
+
+def test_an_archive_frame_that_inflates_past_its_size_is_refused(saved, tmp_path):
+    saved.export("s", tmp_path / "s.kvs")
+    manifest, payload = _archive_parts(tmp_path / "s.kvs")
+    stream = zstandard.ZstdCompressor(write_content_size=False).compress(b"\1" * (8 << 20))
+    frame = manifest["extents"][0]["frames"][0]
+    frame["offset"], frame["size"] = len(payload), len(stream)
+    manifest["data_size"] = len(payload) + len(stream)
+    _write_archive(tmp_path / "bomb.kvs", manifest, payload + stream)
+    with pytest.raises(CorruptData, match="inflates past"):
+        kvstore.open_store(tmp_path / "other").import_(tmp_path / "bomb.kvs")
+
+
+@pytest.mark.parametrize("forge", ["raw_size", "tokens", "layout", "name", "offset"])
+def test_forged_manifests_are_refused(saved, tmp_path, forge):
+    saved.export("s", tmp_path / "s.kvs")
+    manifest, payload = _archive_parts(tmp_path / "s.kvs")
+    frame = manifest["extents"][0]["frames"][0]
+    expected: type[Exception] = CorruptData
+    if forge == "raw_size":
+        frame["raw_size"] = 1 << 40
+    elif forge == "tokens":
+        manifest["tokens"][3] = 10 ** 9
+    elif forge == "layout":
+        manifest["session"]["kv_layout"]["per_token"][1] = 64
+    elif forge == "name":
+        manifest["session"]["name"] = "../../escape"
+        expected = InvalidName
+    elif forge == "offset":
+        frame["offset"] = len(payload)
+    _write_archive(tmp_path / "forged.kvs", manifest, payload)
+    other = kvstore.open_store(tmp_path / "other")
+    with pytest.raises(expected):
+        other.import_(tmp_path / "forged.kvs")
+    assert other.names() == [] and not any(other.sessions_dir.iterdir())
+
+
+def test_archive_magic_version_and_damage(saved, tmp_path):
+    saved.export("s", tmp_path / "s.kvs")
+    data = (tmp_path / "s.kvs").read_bytes()
+    other = kvstore.open_store(tmp_path / "other")
+    (tmp_path / "text.kvs").write_bytes(b"hello world, not an archive at all" * 3)
+    with pytest.raises(UnsupportedFormat, match="bad magic"):
+        other.import_(tmp_path / "text.kvs")
+    (tmp_path / "v9.kvs").write_bytes(data[:8] + struct.pack("<I", 9) + data[12:])
+    with pytest.raises(UnsupportedFormat, match="version 9"):
+        other.import_(tmp_path / "v9.kvs")
+    flipped = bytearray(data)
+    flipped[-5] ^= 1
+    (tmp_path / "flip.kvs").write_bytes(bytes(flipped))
+    with pytest.raises(CorruptData):
+        other.import_(tmp_path / "flip.kvs")
+    (tmp_path / "short.kvs").write_bytes(data[: len(data) // 2])
+    with pytest.raises(CorruptData):
+        other.import_(tmp_path / "short.kvs")
+    assert other.names() == []

@@ -1,0 +1,119 @@
+"""The store's verbs on whole sessions: list and describe, fork by reference (milliseconds and
+kilobytes), delete without harming forks, garbage-collect only what nothing references, pack
+blobs shared between forks."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+import kvstore
+import store_harness as H
+from kvstore.errors import SessionExists, SessionNotFound
+
+
+@pytest.fixture(scope="module")
+def model(tiny):
+    return kvstore.load_model(tiny("llama-gqa").folder)
+
+
+@pytest.fixture
+def store(tmp_path, model):
+    store = kvstore.open_store(tmp_path / "home")
+    with store.new("doc", model, seed=1, chunk_size=16, checkpoint_every=4, system="Be brief.") as s:
+        s.append_text(H.DOCUMENT)
+        list(s.generate(10, stop_at_eos=False))
+    return store
+
+
+def files(store):
+    return sorted(p.relative_to(store.home).as_posix() for p in store.home.rglob("*") if p.is_file()
+                  and p.suffix in (".kv", ".kvz"))
+
+
+def test_list_and_info_describe_sessions(store):
+    info = store.info("doc")
+    assert [i.name for i in store.list()] == ["doc"]
+    assert info.n_tokens == info.n_cached + 1
+    assert info.checkpoints >= 3 and info.disk_bytes > 0 and info.dtype == "bfloat16"
+    assert info.parent is None and info.forks == []
+    assert [m.role for m in store.messages("doc")] == ["system"]
+
+
+def test_names_are_unique(store, model):
+    with pytest.raises(SessionExists):
+        store.new("doc", model)
+    with pytest.raises(SessionExists):
+        store.fork("doc", "doc")
+
+
+def test_unknown_sessions_are_reported(store, model):
+    for call in (lambda: store.open("nope", model), lambda: store.info("nope"), lambda: store.delete("nope"),
+                 lambda: store.fork("nope", "x"), lambda: store.export("nope", "x.kvs")):
+        with pytest.raises(SessionNotFound, match="kvstore list"):
+            call()
+
+
+def test_a_fork_shares_extents_and_costs_no_kv_bytes(store):
+    before = files(store)
+    started = time.perf_counter()
+    store.fork("doc", "child")
+    elapsed = time.perf_counter() - started
+    assert files(store) == before  # nothing copied
+    assert elapsed < 1.0
+    child = store.info("child")
+    assert child.parent == "doc" and child.disk_bytes == 0 and store.info("doc").forks == ["child"]
+    assert store.tokens("child") == store.tokens("doc")
+
+
+def test_fork_at_a_position(store):
+    store.fork("doc", "early", at=20)
+    info = store.info("early")
+    assert info.n_tokens == 20 and info.n_cached == 19 and info.fork_position == 20
+    with pytest.raises(ValueError):
+        store.fork("doc", "bad", at=10_000)
+
+
+def test_deleting_the_parent_keeps_the_fork_and_gc_frees_only_unreferenced_files(store, model):
+    store.fork("doc", "child")
+    parent_dir = store.session_dir(store.info("doc").id)
+    store.delete("doc")
+    assert parent_dir.exists()  # the child still reads the parent's extents
+    with store.open("child", model) as c:
+        list(c.generate(4, stop_at_eos=False))
+    assert store.verify() == {"child": []}
+    store.delete("child")
+    store.gc()
+    assert files(store) == [] and not any(store.sessions_dir.iterdir())
+
+
+def test_packed_blobs_are_shared_between_forks(store, model):
+    store.fork("doc", "child")
+    store.pack("doc")
+    n_blobs = len(list(store.blobs_dir.glob("*.kvz")))
+    assert store.pack("child")["extents"] == 0  # everything it uses was packed with the parent
+    assert len(list(store.blobs_dir.glob("*.kvz"))) == n_blobs
+    with store.open("child", model) as c:
+        assert c.seq.cache.length == store.info("child").n_cached
+    assert store.verify() == {"child": [], "doc": []}
+
+
+def test_gc_removes_folders_left_by_a_crashed_create(store):
+    stray = store.sessions_dir / "0123456789abcdef0123456789abcdef"
+    stray.mkdir()
+    (stray / "layer-000.kv").write_bytes(b"\0" * 4096)
+    assert store.gc()["segments"] == 1
+    assert not stray.exists()
+
+
+def test_a_session_api_fork_continues_independently(store, model):
+    with store.open("doc", model) as s:
+        child = s.fork("side")
+        list(child.generate(5, stop_at_eos=False))
+        child.close()
+        list(s.generate(3, stop_at_eos=False))
+        n_parent = len(s.tokens)
+    assert store.info("doc").n_tokens == n_parent
+    assert store.info("side").n_tokens == n_parent - 3 + 5
+    assert store.verify() == {"doc": [], "side": []}

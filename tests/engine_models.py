@@ -85,11 +85,13 @@ SPECS: dict[str, tuple[str, dict]] = {
     "llama-gqa": ("LlamaConfig", dict(num_key_value_heads=2, tie_word_embeddings=True)),
     "qwen2-bias": ("Qwen2Config", dict(num_key_value_heads=2, tie_word_embeddings=False, use_sliding_window=False)),
     "llama3-rope": ("LlamaConfig", dict(num_key_value_heads=1, rope_theta=500.0, rope_scaling=_llama3_rope())),
-    "linear-rope": ("LlamaConfig", dict(num_key_value_heads=4, rope_theta=1000.0, attention_bias=True, mlp_bias=True,
-                                        rope_scaling={"rope_type": "linear", "factor": 2.0})),
+    # head_dim 32 with 4 heads: the attention width (128) differs from the hidden size (64)
+    "linear-rope": ("LlamaConfig", dict(num_key_value_heads=4, head_dim=32, rope_theta=1000.0, attention_bias=True,
+                                        mlp_bias=True, rope_scaling={"rope_type": "linear", "factor": 2.0})),
+    "mistral": ("MistralConfig", dict(num_key_value_heads=2, sliding_window=None)),
     "gpt2": ("GPT2Config", dict()),
 }
-LLAMA_ARCH_GGUF = {"LlamaConfig": "llama", "Qwen2Config": "qwen2", "GPT2Config": "gpt2"}
+LLAMA_ARCH_GGUF = {"LlamaConfig": "llama", "MistralConfig": "llama", "Qwen2Config": "qwen2", "GPT2Config": "gpt2"}
 
 
 def make_config(name: str, vocab_size: int, bos_id: int, eos_id: int):
@@ -229,13 +231,15 @@ def gguf_plan(model, tok: Tokenizer, qtype: Q) -> tuple[GGUFPlan, dict[str, torc
                ("add_feed_forward_length", (4 * cfg.n_embd,)), ("add_block_count", (cfg.n_layer,)),
                ("add_head_count", (cfg.n_head,)), ("add_layer_norm_eps", (cfg.layer_norm_epsilon,))]
     else:
-        head_dim = cfg.hidden_size // cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         rope = cfg.rope_parameters
         md += [("add_context_length", (cfg.max_position_embeddings,)), ("add_embedding_length", (cfg.hidden_size,)),
                ("add_feed_forward_length", (cfg.intermediate_size,)), ("add_block_count", (cfg.num_hidden_layers,)),
                ("add_head_count", (cfg.num_attention_heads,)), ("add_head_count_kv", (cfg.num_key_value_heads,)),
                ("add_layer_norm_rms_eps", (cfg.rms_norm_eps,)), ("add_rope_freq_base", (rope["rope_theta"],)),
                ("add_rope_dimension_count", (head_dim,)), ("add_vocab_size", (cfg.vocab_size,))]
+        if head_dim != cfg.hidden_size // cfg.num_attention_heads:
+            md += [("add_key_length", (head_dim,)), ("add_value_length", (head_dim,))]
         if rope.get("rope_type") == "linear":
             md += [("add_rope_scaling_type", (gguf.RopeScalingType.LINEAR,)),
                    ("add_rope_scaling_factor", (rope["factor"],))]

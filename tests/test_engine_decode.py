@@ -15,7 +15,7 @@ from torch.testing import assert_close
 import kvstore
 from kvstore import KVCache, SamplerSettings, Sequence
 
-ARCHS = ["llama-gqa", "qwen2-bias", "llama3-rope", "gpt2"]
+ARCHS = ["llama-gqa", "qwen2-bias", "llama3-rope", "linear-rope", "gpt2"]
 SAMPLED = SamplerSettings(temperature=0.9, top_k=40, top_p=0.95, repetition_penalty=1.1)
 
 

@@ -1,8 +1,9 @@
 """Our forward equals transformers' on tiny random models, from HF folders and from GGUF files.
 
 Each architecture the engine claims (Llama with grouped-query attention and tied embeddings, Qwen2's
-q/k/v bias, Llama-3 and linear rope scaling with o/mlp biases, GPT-2) is built from a transformers
-config, saved both ways, loaded by `kvstore.load_model` in float32 and compared logit by logit.
+q/k/v bias, Llama-3 rope scaling, linear rope scaling with o/mlp biases and a head_dim apart from
+hidden/heads, Mistral, GPT-2) is built from a transformers config, saved both ways, loaded by
+`kvstore.load_model` in float32 and compared logit by logit.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def test_quantized_llama_gguf_equals_transformers_on_dequantized_weights(tiny, q
     assert_close(ours(path).logits(ids), m.reference_logits(ids, reference))
 
 
-@pytest.mark.parametrize("name", ["qwen2-bias", "llama3-rope", "gpt2"])
+@pytest.mark.parametrize("name", ["qwen2-bias", "llama3-rope", "linear-rope", "gpt2"])
 def test_q8_0_gguf_of_other_architectures_equals_transformers(tiny, name):
     m = tiny(name)
     path, reference = m.gguf(Q.Q8_0)
@@ -132,3 +133,19 @@ def test_transformers_reads_the_test_gguf_as_the_same_model(tiny, name, qtype):
     assert_close(m.reference_logits(ids, hf), m.reference_logits(ids, reference))
     hf_tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     assert hf_tok.encode(SAMPLE_TEXT, add_special_tokens=False) == m.tokenizer.encode(SAMPLE_TEXT).ids
+
+
+def test_a_mistral_sliding_window_bounds_the_context(tiny, tmp_path):
+    """Attention within a window equals full attention up to the window's size: the context ends there."""
+    import shutil
+
+    folder = tmp_path / "windowed"
+    shutil.copytree(tiny("mistral").folder, folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(cfg | {"sliding_window": 32}))
+    model = ours(folder)
+    assert model.config.max_context == 32
+    ids = tiny("mistral").ids(32)
+    assert_close(model.logits(ids), tiny("mistral").reference_logits(ids))
+    with pytest.raises(kvstore.errors.ModelError, match="context"):
+        model.logits(ids + ids[:1])

@@ -9,6 +9,7 @@ then an inverse-CDF draw over the surviving tokens in id order. Temperature 0 is
 from __future__ import annotations
 
 import hashlib
+import numbers
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Sequence
 
@@ -27,7 +28,9 @@ class SamplerSettings:
     repetition_window: int = 64  # how many previous tokens the penalty looks at
 
     def __post_init__(self):
+        whole = lambda v: isinstance(v, numbers.Integral) and not isinstance(v, bool)  # noqa: E731
         checks = [
+            (whole(self.top_k) and whole(self.repetition_window), "top_k and repetition_window must be integers"),
             (self.temperature >= 0, "temperature must be >= 0 (0 is greedy)"),
             (self.top_k >= 0, "top_k must be >= 0 (0 turns it off)"),
             (0 < self.top_p <= 1, "top_p must be in (0, 1]"),

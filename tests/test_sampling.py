@@ -178,7 +178,7 @@ def test_repetition_penalty_looks_only_at_the_recent_window():
 # -- settings -----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("bad", [dict(temperature=-0.1), dict(top_k=-1), dict(top_p=0.0), dict(top_p=1.5),
                                  dict(min_p=1.0), dict(min_p=-0.1), dict(repetition_penalty=0.0),
-                                 dict(repetition_window=-1)])
+                                 dict(repetition_window=-1), dict(top_k=2.5), dict(repetition_window=8.0)])
 def test_invalid_settings_are_refused_with_the_setting_named(bad):
     (name,) = bad
     with pytest.raises(KvstoreError, match=name):

@@ -1,0 +1,46 @@
+"""Sessions on CUDA (skipped without a CUDA device): byte-identical resume on CUDA, and moving a
+session between devices, which restores the identical cache bytes while later logits are only
+close (other kernels)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvstore
+import store_harness as H
+
+pytestmark = pytest.mark.cuda
+
+
+@pytest.fixture(scope="module")
+def folder(tiny):
+    return tiny("llama-gqa").folder
+
+
+def test_resume_on_cuda_is_byte_identical(tmp_path, folder):
+    model = kvstore.load_model(folder, device="cuda")
+    H.reference_run(tmp_path / "ref", model, "r", 20, tmp_path / "ref.jsonl")
+    store = kvstore.open_store(tmp_path / "home")
+    with store.new("r", model, seed=5, chunk_size=16, checkpoint_every=4) as s:
+        s.append_text(H.DOCUMENT)
+        list(s.generate(8, trace=tmp_path / "t.jsonl", stop_at_eos=False))
+    with store.open("r", model) as s:
+        list(s.generate(12, trace=tmp_path / "t.jsonl", stop_at_eos=False))
+    assert H.read_trace(tmp_path / "t.jsonl") == H.read_trace(tmp_path / "ref.jsonl")
+
+
+@pytest.mark.parametrize("saved_on, resumed_on", [("cpu", "cuda"), ("cuda", "cpu")])
+def test_moving_between_devices_keeps_the_cache_bytes(tmp_path, folder, saved_on, resumed_on):
+    store = kvstore.open_store(tmp_path / "home")
+    first = kvstore.load_model(folder, device=saved_on)
+    with store.new("m", first, seed=5) as s:
+        s.append_text(H.DOCUMENT)
+        list(s.generate(4, stop_at_eos=False))
+        saved = [t.cpu().clone() for t in s.seq.cache.state()]
+        expected = s.seq.next_logits()
+    second = kvstore.load_model(folder, device=resumed_on)
+    with store.open("m", second) as s:
+        assert s.seq.cache.device.type == resumed_on
+        assert all(torch.equal(a, b.cpu()) for a, b in zip(saved, s.seq.cache.state()))
+        torch.testing.assert_close(s.seq.next_logits(), expected, rtol=2e-2, atol=2e-2)

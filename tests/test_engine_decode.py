@@ -14,6 +14,7 @@ from torch.testing import assert_close
 
 import kvstore
 from kvstore import KVCache, SamplerSettings, Sequence
+from kvstore.generate import chunk_bounds
 
 ARCHS = ["llama-gqa", "qwen2-bias", "llama3-rope", "linear-rope", "gpt2"]
 SAMPLED = SamplerSettings(temperature=0.9, top_k=40, top_p=0.95, repetition_penalty=1.1)
@@ -74,6 +75,12 @@ def test_sequence_prefill_leaves_the_last_token_pending(loaded, tiny, chunk):
     assert seq.pending == ids[-1:]
     assert_close(seq.next_logits(), model.logits(ids)[-1])
     assert seq.pending == [] and seq.cache.length == len(ids)
+
+
+def test_chunk_boundaries_are_multiples_of_the_chunk_size_in_absolute_positions():
+    assert chunk_bounds(13, 40, 8) == [(13, 16), (16, 24), (24, 32), (32, 40)]
+    assert chunk_bounds(0, 5, 8) == [(0, 5)]
+    assert chunk_bounds(7, 7, 8) == []
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

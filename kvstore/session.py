@@ -102,6 +102,7 @@ class Session:
             self._refresh_reply()
         a, b = self._n_cached, self.seq.cache.length
         old_tokens, n_tokens = self._n_tokens, len(self.seq.tokens)
+        assert b < n_tokens or n_tokens == 0, "C2: the last token stays pending (not in the cache)"
         if a == b and old_tokens == n_tokens and not self._dirty_messages and not self._call_dirty:
             return False
         written = None

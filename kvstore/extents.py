@@ -13,10 +13,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
 from sqlalchemy import select
 from sqlalchemy.orm import Session as DB
 
-from . import blobs, segments
+from . import blobs, codec, segments
+from .errors import CorruptData
 from .index import BlobRow, ExtentBlobRow, ExtentRow, SegmentRow, SessionExtentRow
 
 
@@ -66,3 +68,38 @@ def read_layers(ref: ExtentRef, home: Path, itemsize: int, *, session: str) -> l
         file = "blob" if ref.blob is not None else segments.layer_path(Path(ref.segment_id), i).as_posix()
         segments.verify(data, expected, what=f"{what} ({file}), layer {i}")
     return layers
+
+
+def load_into(cache, refs: list[ExtentRef], home: Path, *, session: str) -> None:
+    """Append every referenced extent to `cache` (empty on entry), checksums verified.
+
+    Whole raw extents on a CPU cache are read straight into the cache's memory, the layers in
+    parallel; partial ones (a fork's last), packed ones and CUDA caches go through a buffer.
+    """
+    itemsize = cache.dtype.itemsize
+    for ref in refs:
+        if ref.start != cache.length:
+            raise CorruptData(f"session {session!r}: the index has a gap in its KV at position {cache.length}")
+        if ref.blob is None and ref.n_tokens == ref.extent_tokens and cache.device.type == "cpu":
+            _read_direct(cache, ref, home, session)
+            continue
+        used = ref.n_tokens * ref.token_bytes
+        layers = read_layers(ref, home, itemsize, session=session)
+        # bytes -> [n_tokens, 2, n_kv_heads, head_dim] in the cache's dtype
+        cache.load(ref.start, [torch.from_numpy(d[:used]).view(cache.dtype).view(ref.n_tokens, *cache.token_shape)
+                               for d in layers])
+
+
+def _read_direct(cache, ref: ExtentRef, home: Path, session: str) -> None:
+    start, end = ref.start, ref.start + ref.n_tokens
+    cache.reserve(end)
+    directory = home / "sessions" / ref.segment_id
+
+    def one(layer: int) -> None:
+        target = cache.layers[layer][start:end].view(torch.uint8).numpy().reshape(-1)
+        what = f"session {session!r}, extent {ref.extent_id}, layer {layer}"
+        segments.read_extent_into(directory, layer, ref.offset, target, what=what)
+        segments.verify(target, ref.checksums[layer], what=f"{what} ({segments.layer_path(Path(ref.segment_id), layer).as_posix()})")
+
+    codec.parallel_map(one, list(range(len(ref.checksums))), threads=2)
+    cache.advance(end)

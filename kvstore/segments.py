@@ -95,6 +95,14 @@ def truncate_uncommitted(directory: Path, committed_end: int) -> None:
 
 def read_extent(directory: Path, layer: int, offset: int, nbytes: int, *, what: str) -> np.ndarray:
     """The raw bytes of one layer of an extent; CorruptData if the file is missing or short."""
+    data = np.empty(nbytes, dtype=np.uint8)
+    read_extent_into(directory, layer, offset, data, what=what)
+    return data
+
+
+def read_extent_into(directory: Path, layer: int, offset: int, data: np.ndarray, *, what: str) -> None:
+    """Fill `data` (a writable uint8 array) from one layer file at `offset`."""
+    nbytes = data.nbytes
     path = layer_path(directory, layer)
     try:
         fd = io.open_read(path)
@@ -106,13 +114,11 @@ def read_extent(directory: Path, layer: int, offset: int, nbytes: int, *, what: 
         if size < offset + nbytes:
             raise CorruptData(f"{what}: file {path.name} is truncated ({size} bytes, the extent needs "
                               f"{offset + nbytes}); the session cannot be restored")
-        data = np.empty(nbytes, dtype=np.uint8)
         got = io.pread_into(fd, data, offset)
     finally:
         io.close(fd)
     if got != nbytes:
         raise CorruptData(f"{what}: short read from {path.name}")
-    return data
 
 
 def verify(data: np.ndarray, expected: str, *, what: str) -> None:

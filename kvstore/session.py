@@ -15,12 +15,11 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-import torch
 from sqlalchemy import delete, select, update
 
 from .chat import turn_ids
 from .errors import CorruptData, KvstoreError, ModelMismatch, SessionBusy
-from .extents import read_layers, session_extents
+from .extents import load_into, session_extents
 from .generate import Sequence, TokenEvent
 from .index import (CheckpointRow, store_full_on_disk_full, ExtentRow, MessageRow, ModelRow, SegmentRow, SessionExtentRow, SessionRow,
                     TokenBlockRow, utcnow)
@@ -338,17 +337,8 @@ def check_model(db, row: SessionRow, model) -> None:
 
 def load_cache(home: Path, name: str, refs, model, n_cached: int):
     """The session's KVCache rebuilt from its extents, every checksum verified."""
-    cfg = model.config
     cache = model.new_cache(capacity=n_cached)
-    itemsize = model.dtype.itemsize
-    for ref in refs:
-        if ref.start != cache.length:
-            raise CorruptData(f"session {name!r}: the index has a gap in its KV at position {cache.length}")
-        layers = read_layers(ref, home, itemsize, session=name)
-        used = ref.n_tokens * ref.token_bytes
-        # bytes -> [n_tokens, 2, n_kv_heads, head_dim] in the session's dtype
-        cache.load(ref.start, [torch.from_numpy(d[:used]).view(model.dtype)
-                               .view(ref.n_tokens, 2, cfg.n_kv_heads, cfg.head_dim) for d in layers])
+    load_into(cache, refs, home, session=name)
     if cache.length != n_cached:
         raise CorruptData(f"session {name!r}: its extents cover {cache.length} positions, the head says {n_cached}")
     return cache

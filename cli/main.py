@@ -1,7 +1,92 @@
-"""The `kvstore` command (placeholder until the CLI issue lands)."""
+"""The `kvstore` command: the group, its global options, and library errors as one-line messages.
+
+Each verb is a thin function over the library (`generation.py`: new, continue; `manage.py`: the
+verbs on stored sessions). The library is imported inside the commands, so `--help` stays fast.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
 import click
 
+from . import generation, manage
 
-@click.group()
-def cli():
-    """kvstore: persistent, resumable LLM generation sessions."""
+EXIT_ERROR = 1  # a library error (unknown session, busy, wrong model, corrupt data, ...)
+EXIT_INTERRUPTED = 130  # 128 + SIGINT: stopped by Ctrl-C after a checkpoint
+
+
+class App:
+    """What every command shares: the home directory and, once asked for, the open store."""
+
+    def __init__(self, home: Path | None):
+        self.home = home
+        self._store = None
+
+    @property
+    def store(self):
+        if self._store is None:
+            from kvstore.store import open_store
+
+            self._store = open_store(self.home)
+        return self._store
+
+    def close(self) -> None:
+        if self._store is not None:
+            self._store.close()
+            self._store = None
+
+
+class Group(click.Group):
+    """Turns the library's errors into `Error: <one line>` and exit status 1, never a traceback."""
+
+    def invoke(self, ctx: click.Context):
+        from kvstore.errors import KvstoreError
+
+        try:
+            return super().invoke(ctx)
+        except (KvstoreError, ValueError, OSError) as e:
+            raise click.ClickException(one_line(e)) from None
+        except KeyboardInterrupt:
+            click.echo("kvstore: interrupted", err=True)
+            ctx.exit(EXIT_INTERRUPTED)
+
+
+def one_line(error: BaseException) -> str:
+    from kvstore.errors import CorruptData
+
+    text = " ".join(str(error).split()) or type(error).__name__
+    if isinstance(error, CorruptData) and "kvstore verify" not in text:
+        text += "; `kvstore verify` lists every damaged session"
+    if isinstance(error, OSError) and not isinstance(error, click.ClickException):
+        text = f"{error.strerror or text}: {error.filename}" if error.filename else text
+    return text
+
+
+@click.group(name="kvstore", cls=Group)
+@click.option("--home", type=click.Path(file_okay=False, path_type=Path), envvar="KVSTORE_HOME", show_envvar=True,
+              help="Store directory (default: the per-user app directory).")
+@click.version_option(package_name="kvstore", prog_name="kvstore")
+@click.pass_context
+def cli(ctx: click.Context, home: Path | None):
+    """kvstore: persistent, resumable LLM generation sessions.
+
+    A session keeps its KV cache on disk, so a long prompt is read once: `continue` picks up where
+    the last run stopped (or was killed) without recomputing it, token for token.
+    """
+    ctx.obj = App(home)
+    ctx.call_on_close(ctx.obj.close)
+
+
+@cli.command()
+@click.argument("model", default="smollm2")
+@click.pass_obj
+def pull(app: App, model: str):
+    """Download a default model (hashes checked); print its path."""
+    import kvstore
+
+    click.echo(str(kvstore.pull(model, home=app.home)))
+
+
+generation.register(cli)
+manage.register(cli)

@@ -1,0 +1,315 @@
+"""`kvstore new` and `kvstore continue`: feed input to a session and stream the reply.
+
+Input is `--prompt`, else `--file`, else stdin when it is not a terminal. A chat turn goes through
+the model's chat template; `--raw` feeds the text as is. The reply streams to stdout.
+
+Stopping: the first Ctrl-C (or SIGTERM) asks for a stop at the next safe point (after the current
+token or prefill chunk); the session checkpoints and the command exits with 128 + the signal number
+(130 for Ctrl-C). A second one interrupts at once; the library still checkpoints on the way out.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any, Callable, Iterator
+
+import click
+
+from .render import PrefillBar, Stream, Timer, note, rate
+
+DEFAULT_MODEL = "smollm2"
+SAMPLING = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
+
+
+@dataclass
+class Options:
+    prompt: str | None
+    file: IO[str] | None
+    raw: bool
+    model: str | None
+    max_new_tokens: int
+    temperature: float | None
+    top_k: int | None
+    top_p: float | None
+    min_p: float | None
+    repetition_penalty: float | None
+    checkpoint_every: int | None
+    device: str
+    dtype: str | None
+    threads: int | None
+    trace: Path | None
+    verbose: bool
+
+    @property
+    def sampling(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in SAMPLING if getattr(self, k) is not None}
+
+    def stat(self, message: str) -> None:
+        if self.verbose:
+            note(message)
+
+
+def generation_options(model_help: str) -> Callable:
+    options = [
+        click.option("--prompt", "-p", metavar="TEXT", help="Input text (else --file, else stdin when it is not a terminal)."),
+        click.option("--file", "-f", type=click.File("r", encoding="utf-8"), metavar="FILE", help="Read the input from FILE ('-': stdin)."),
+        click.option("--raw", is_flag=True, help="Feed the input as is, without the chat template (documents, completion)."),
+        click.option("--model", "-m", metavar="MODEL", help=model_help),
+        click.option("--max-new-tokens", "-n", type=click.IntRange(min=0), default=256, show_default=True,
+                     help="Most tokens to generate."),
+        click.option("--temperature", type=click.FloatRange(min=0), help="Sampling temperature (0: greedy)."),
+        click.option("--top-k", type=click.IntRange(min=0), help="Keep the K most likely tokens (0: off)."),
+        click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), help="Nucleus sampling mass (1: off)."),
+        click.option("--min-p", type=click.FloatRange(0, 1, max_open=True), help="Drop tokens below P x the top one (0: off)."),
+        click.option("--repetition-penalty", type=click.FloatRange(0, min_open=True), help="Penalise recent tokens (1: off)."),
+        click.option("--checkpoint-every", type=click.IntRange(min=1), help="Checkpoint every N generated tokens [default: 16]."),
+        click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
+                     help="Where the model runs."),
+        click.option("--dtype", type=click.Choice(["bfloat16", "float32", "float16"]),
+                     help="Weights and KV dtype [default: bfloat16; continue: the session's]."),
+        click.option("--threads", type=click.IntRange(min=1), help="CPU threads for torch (bits can differ across counts)."),
+        click.option("--trace", type=click.Path(dir_okay=False, path_type=Path),
+                     help="Append one JSON line per generated token (position, id, logits sha256) to FILE."),
+        click.option("--verbose", "-v", is_flag=True, help="Print timings (load, restore, prefill, decode) on stderr."),
+    ]
+
+    def decorate(f):
+        for option in reversed(options):
+            f = option(f)
+        return f
+
+    return decorate
+
+
+def register(cli: click.Group) -> None:
+    cli.add_command(new)
+    cli.add_command(continue_)
+
+
+@click.command()
+@click.argument("session")
+@click.option("--system", "-s", help="System prompt of the chat.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Sampling seed (draws depend on seed and position only).")
+@generation_options("Model: alias, .gguf file or Hugging Face folder [default: smollm2].")
+@click.pass_obj
+def new(app, session: str, system: str | None, seed: int, **kwargs):
+    """Create a session, read the input into it and stream the reply."""
+    from kvstore.errors import SessionExists
+    from kvstore.store import check_name
+
+    o = Options(**kwargs)
+    text = read_input(o)
+    if system is not None and o.raw:
+        raise click.UsageError("--system belongs to chat turns; with --raw, put it in the text")
+    store = app.store
+    if check_name(session) in store.names():
+        raise SessionExists(f"a session named {session!r} exists; pick another name, "
+                            f"`kvstore continue {session}` or `kvstore rm {session}`")
+    model = load(o, o.model or DEFAULT_MODEL, o.dtype, app.home)
+    settings = dict(o.sampling)
+    if o.checkpoint_every is not None:
+        settings["checkpoint_every"] = o.checkpoint_every
+    with Stops() as stops:
+        try:
+            with store.new(session, model, seed=seed, system=system, **settings) as s:
+                if text is None:
+                    note(f"created session {session!r} (no input; `kvstore continue {session} -p ...` adds a turn)")
+                    return
+                run_turn(s, text, o, stops)
+        except (Stopped, KeyboardInterrupt, BrokenPipeError) as e:
+            stopped(store, session, e)
+
+
+@click.command(name="continue")
+@click.argument("session")
+@generation_options("Model file or alias [default: the session's own].")
+@click.pass_obj
+def continue_(app, session: str, **kwargs):
+    """Add a turn; with no input, finish an interrupted reply or go on."""
+    o = Options(**kwargs)
+    text = read_input(o)
+    store = app.store
+    info = store.info(session)
+    probe_lock(store, info)
+    model = load(o, o.model or info.model_source, o.dtype or info.dtype, app.home)
+    with Stops() as stops:
+        try:
+            timer = Timer()
+            with store.open(session, model, device=o.device) as s:
+                o.stat(f"restore: {len(s.tokens):,} tokens ({s.seq.cache.length:,} cached) from disk in "
+                       f"{timer.elapsed:.3f} s, no prefill")
+                if o.checkpoint_every is not None:
+                    s.checkpoint_every = o.checkpoint_every
+                run_turn(s, text, o, stops)
+        except (Stopped, KeyboardInterrupt, BrokenPipeError) as e:
+            stopped(store, session, e)
+
+
+# -- the steps ---------------------------------------------------------------------------------------
+def read_input(o: Options) -> str | None:
+    if o.prompt is not None and o.file is not None:
+        raise click.UsageError("give --prompt or --file, not both")
+    if o.prompt is not None:
+        return o.prompt
+    if o.file is not None:
+        return o.file.read()
+    if sys.stdin is None or sys.stdin.isatty():
+        return None
+    return sys.stdin.read() or None
+
+
+def load(o: Options, spec: str, dtype: str | None, home):
+    import kvstore
+
+    if o.threads is not None:
+        import torch
+
+        torch.set_num_threads(o.threads)
+    timer = Timer()
+    model = kvstore.load_model(spec, dtype=dtype, device=o.device, home=home)
+    o.stat(f"model: {model.source} ({model.dtype_name}, {o.device}) loaded in {timer.elapsed:.1f} s")
+    return model
+
+
+def probe_lock(store, info) -> None:
+    """Fail at once, before loading a model, when another process is writing the session."""
+    from kvstore.locking import SessionLock
+
+    SessionLock(store.session_dir(info.id), info.name).acquire().release()
+
+
+def run_turn(s, text: str | None, o: Options, stops: "Stops") -> None:
+    if text is None and s.active_call:
+        if o.sampling or o.max_new_tokens != 256:
+            note("finishing the interrupted generation with its own settings; sampling options are ignored")
+        pieces = s.resume(trace=o.trace)
+    elif text is None:
+        pieces = decode(s, s.generate(o.max_new_tokens, trace=o.trace, **o.sampling), stops)
+    elif o.raw:
+        timer = Timer()
+        with PrefillBar(start=s.seq.cache.length, on_chunk=stops.check) as bar:
+            added = s.append_text(text, progress=bar)
+        o.stat(f"prefill: {added:,} tokens in {timer.elapsed:.2f} s ({rate(added, timer.elapsed)})")
+        pieces = decode(s, s.generate(o.max_new_tokens, trace=o.trace, **o.sampling), stops)
+    else:
+        pieces = s.chat(text.strip(), o.max_new_tokens, trace=o.trace, **o.sampling)
+    out, meter = Stream(), Meter(s, o.verbose)
+    try:
+        out.pump(meter.wrap(pieces), stops.check)
+    finally:
+        pieces.close()  # a stop lands between tokens: the generator's cleanup checkpoints
+        out.finish()
+    if o.verbose:
+        meter.report()
+
+
+class Meter:
+    """Timings of one reply for --verbose: the prompt (chat turns), the first token, the decode rate."""
+
+    def __init__(self, s, verbose: bool) -> None:
+        self.s, self.verbose, self.n0, self.timer = s, verbose, len(s.tokens), Timer()
+        self.first: tuple[float, int] | None = None
+        self.gen_start = self.n0
+
+    def wrap(self, pieces: Iterator[str]) -> Iterator[str]:
+        for piece in pieces:
+            if self.first is None:
+                self.first = (self.timer.elapsed, len(self.s.tokens))
+                call_start = (self.s.active_call or {}).get("start", self.n0)
+                if call_start > self.n0:
+                    self.gen_start = call_start
+                    if self.verbose:
+                        note(f"prompt: {call_start - self.n0:,} tokens")
+            yield piece
+
+    def report(self) -> None:
+        if self.first is None:
+            note("decode: no new text")
+            return
+        (t1, n1), t2, n2 = self.first, self.timer.elapsed, len(self.s.tokens)
+        note(f"decode: {n2 - self.gen_start:,} tokens; first text after {t1:.2f} s, then {rate(n2 - n1, t2 - t1)}")
+
+
+def decode(s, ids: Iterator[int], stops: "Stops") -> Iterator[str]:
+    """Text pieces of generated ids (raw generation), checking for a stop after every token."""
+    from kvstore.tokenizer import StreamDecoder
+
+    decoder = StreamDecoder(s.model.tokenizer)
+    try:
+        for token in ids:
+            if piece := decoder.push(token):
+                yield piece
+            stops.check()
+        if tail := decoder.flush():
+            yield tail
+    finally:
+        ids.close()
+
+
+def stopped(store, name: str, e: BaseException) -> None:
+    """After a stop (signal, or stdout closed by a pipe's reader): say where the session stands, exit."""
+    if isinstance(e, BrokenPipeError):
+        quiet_stdout()
+        raise click.exceptions.Exit(128 + signal.SIGPIPE)
+    info = store.info(name)
+    code = 128 + (e.signum if isinstance(e, Stopped) else signal.SIGINT)
+    what = "a reply is unfinished: `kvstore continue {0}` finishes it" if info.active_call else \
+        "`kvstore continue {0}` goes on from there"
+    note(f"stopped; {name!r} is checkpointed at {info.n_tokens:,} tokens; " + what.format(name))
+    raise click.exceptions.Exit(code)
+
+
+def quiet_stdout() -> None:
+    """Point stdout at /dev/null so that flushing it at exit does not raise again."""
+    import os
+
+    try:
+        fd = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(fd, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # no real file descriptor (e.g. under a test runner)
+        pass
+
+
+# -- stop requests -----------------------------------------------------------------------------------
+class Stopped(Exception):
+    def __init__(self, signum: int):
+        super().__init__(f"stopped by signal {signum}")
+        self.signum = signum
+
+
+class Stops:
+    """SIGINT/SIGTERM while a session is open: the first one asks for a stop at the next `check()`,
+    a second one raises KeyboardInterrupt at once."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self.saved: dict[int, Any] = {}
+
+    def _handle(self, signum: int, frame) -> None:
+        if self.signum is None:
+            self.signum = signum
+        elif self.signum > 0:  # asked twice before a safe point came: stop now
+            raise KeyboardInterrupt
+        # else: a stop is already being carried out (checkpointing); let it finish
+
+    def check(self) -> None:
+        if self.signum is not None:
+            signum, self.signum = self.signum, -1  # now stopping: later checks pass, signals wait
+            if signum > 0:
+                raise Stopped(signum)
+
+    def __enter__(self) -> "Stops":
+        try:
+            self.saved = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
+        except ValueError:  # not the main thread: keep Python's defaults
+            self.saved = {}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self.saved.items():
+            signal.signal(sig, handler)

@@ -1,0 +1,177 @@
+"""What the command shows: the streamed reply on stdout; progress, timings and notes on stderr.
+
+stdout carries only what a script wants to capture (the reply, a listing, JSON). Everything about
+the run itself goes to stderr: the prefill progress bar (on a terminal, for long inputs), the
+`--verbose` timing lines, and the note printed when a generation is stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Any, Callable, Iterable, Iterator
+
+import click
+from rich.console import Console
+from rich.progress import (BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn,
+                           TimeElapsedColumn)
+from rich.text import Text
+
+LONG_INPUT = 256  # tokens; shorter prefills finish before a bar would be worth drawing
+
+
+def human_bytes(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{int(size)} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")
+
+
+def summary_text(summary: dict[str, int]) -> str:
+    """`{"raw_bytes": 2048, "extents": 3}` -> "raw 2.0 KiB, extents 3"."""
+    parts = []
+    for key, value in summary.items():
+        if key.endswith("bytes") or key.endswith("freed"):
+            parts.append(f"{key.removesuffix('_bytes').replace('_', ' ')} {human_bytes(value)}")
+        else:
+            parts.append(f"{key.replace('_', ' ')} {value:,}")
+    return ", ".join(parts)
+
+
+def note(message: str) -> None:
+    click.echo(f"kvstore: {message}", err=True)
+
+
+def echo_json(value: Any) -> None:
+    click.echo(json.dumps(value, indent=2, ensure_ascii=False))
+
+
+def table(headers: list[str], rows: list[list[str]]) -> None:
+    """Plain left-aligned columns (no box drawing: the output is meant for grep and cut too)."""
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+    for line in [headers, *rows]:
+        click.echo("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip())
+
+
+def stderr_is_terminal() -> bool:
+    return sys.stderr is not None and sys.stderr.isatty()
+
+
+class Timer:
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+
+    @property
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+
+class PrefillBar:
+    """A rich progress bar with tokens/s for a prefill, drawn only on a terminal and for long inputs.
+
+    Call it as the library's `progress(done, total)` callback (absolute positions).
+    """
+
+    def __init__(self, start: int, on_chunk: Callable[[], None] | None = None):
+        self.start = start
+        self.on_chunk = on_chunk
+        self.progress = None
+        self.task = None
+        self.done = start
+
+    def __call__(self, done: int, total: int) -> None:
+        self.done = done
+        if self.progress is None and total - self.start >= LONG_INPUT and stderr_is_terminal():
+            self._open(total - self.start)
+        if self.progress is not None:
+            self.progress.update(self.task, completed=done - self.start)
+        if self.on_chunk is not None:
+            self.on_chunk()
+
+    def _open(self, total: int) -> None:
+        self.progress = Progress(TextColumn("prefill"), BarColumn(), MofNCompleteColumn(), TextColumn("tokens"),
+                                 RateColumn(), TimeElapsedColumn(), console=Console(stderr=True))
+        self.progress.start()
+        self.task = self.progress.add_task("prefill", total=total)
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+            self.progress = None
+
+    def __enter__(self) -> "PrefillBar":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class RateColumn(ProgressColumn):
+    """Tokens per second of a prefill bar."""
+
+    def render(self, task) -> Text:
+        speed = task.finished_speed or task.speed
+        return Text(f"{speed:,.0f} tok/s" if speed else "- tok/s", style="progress.data.speed")
+
+
+class Stream:
+    """Writes reply pieces to stdout as they come and ends the reply with a newline."""
+
+    def __init__(self) -> None:
+        self.wrote = False
+        self.last = "\n"
+
+    def write(self, piece: str) -> None:
+        if piece:
+            click.echo(piece, nl=False)
+            self.wrote, self.last = True, piece[-1]
+
+    def finish(self) -> None:
+        if self.wrote and self.last != "\n":
+            click.echo()
+
+    def pump(self, pieces: Iterable[str], between: Callable[[], None]) -> None:
+        """Write every piece, calling `between()` after each (where a stop request is honoured)."""
+        for piece in pieces:
+            self.write(piece)
+            between()
+
+
+def rate(n: int, seconds: float) -> str:
+    if seconds <= 0:
+        return "- tok/s"
+    per_second = n / seconds
+    return f"{per_second:,.0f} tok/s" if per_second >= 10 else f"{per_second:.1f} tok/s"
+
+
+def session_lines(info) -> Iterator[tuple[str, str]]:
+    """(label, value) pairs describing a session for `kvstore show`."""
+    pending = info.n_tokens - info.n_cached
+    yield "name", info.name
+    yield "id", info.id
+    yield "model", f"{info.model[:12]} ({info.model_source})"
+    yield "dtype", info.dtype
+    yield "tokens", f"{info.n_tokens:,} ({info.n_cached:,} in the KV cache, {pending:,} pending)"
+    yield "checkpoints", f"{info.checkpoints:,}"
+    yield "disk", human_bytes(info.disk_bytes)
+    yield "seed", str(info.seed)
+    yield "sampler", " ".join(f"{k}={v}" for k, v in info.sampler.items())
+    if info.parent is not None:
+        yield "forked from", f"{info.parent} at {info.fork_position:,} tokens"
+    elif info.fork_position is not None:
+        yield "forked at", f"{info.fork_position:,} tokens (parent deleted)"
+    yield "forks", ", ".join(info.forks) if info.forks else "-"
+    if info.active_call:
+        yield "interrupted", f"a generation is unfinished; `kvstore continue {info.name}` finishes it"
+    yield "created", info.created_at
+    yield "updated", info.updated_at
+
+
+def show_session(info) -> None:
+    lines = list(session_lines(info))
+    width = max(len(label) for label, _ in lines) + 1
+    for label, value in lines:
+        click.echo(f"{label + ':':<{width}} {value}")

@@ -1,0 +1,58 @@
+"""The examples run, at small sizes with a tiny model, so that they cannot rot."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
+sys.path.insert(0, str(EXAMPLES))
+
+import stdlib_text  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny) -> str:
+    return str(tiny("llama-gqa").folder)
+
+
+def run(args: list[str], tmp_path: Path, **env: str) -> str:
+    result = subprocess.run(args, cwd=tmp_path, env={**os.environ, **env}, stdin=subprocess.DEVNULL,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, f"exit {result.returncode}\nstdout: {result.stdout}\nstderr: {result.stderr}"
+    return result.stdout
+
+
+def test_stdlib_text_is_long_real_and_stable():
+    text = stdlib_text.document(20_000)
+    assert len(text) >= 20_000 and text.startswith("heapq\n")
+    assert text == stdlib_text.document(20_000)
+    assert len(stdlib_text.document(10**9)) > 100_000  # enough for the model's whole context
+
+
+def test_long_document_qa(model_dir, tmp_path):
+    out = run([sys.executable, str(EXAMPLES / "long_document_qa.py"), "--model", model_dir, "--tokens", "120",
+               "--max-new-tokens", "6", "-q", "What is a heap?", "-q", "What does re.sub do?"], tmp_path)
+    assert "read 120 tokens once" in out
+    assert len(re.findall(r"fork \+ load: \d+ ms instead of a [\d.]+ s prefill: saved", out)) == 2
+    assert "Q2: What does re.sub do?" in out
+
+
+def test_chat_resume_across_processes(model_dir, tmp_path):
+    out = run([sys.executable, str(EXAMPLES / "chat_resume.py"), "--model", model_dir, "--max-new-tokens", "8",
+               "--temperature", "0.8", "Hello!", "And then?"], tmp_path)
+    assert "new session" in out and re.search(r"restored \d+ tokens in \d+ ms, no prefill", out)
+    assert "2 turns in 2 processes vs one process" in out and "identical" in out
+
+
+def test_crash_recover(model_dir, tmp_path):
+    kvstore = Path(sys.executable).parent / "kvstore"
+    out = run(["bash", str(EXAMPLES / "crash_recover.sh")], tmp_path, KVSTORE=str(kvstore), KVSTORE_MODEL=model_dir,
+              N="60", PROMPT="hello there")
+    assert "killed after" in out and "identical: every token" in out

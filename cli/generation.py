@@ -52,7 +52,12 @@ class Options:
             note(message)
 
 
-def generation_options(model_help: str) -> Callable:
+def generation_options(continuing: bool) -> Callable:
+    """The options `new` and `continue` share; on `continue` the defaults are the session's own."""
+    model_help = ("Model file or alias [default: the session's own]." if continuing else
+                  "Model: alias, .gguf file or Hugging Face folder [default: smollm2].")
+    every_default = "the session's" if continuing else "16"
+    dtype_default = "the session's" if continuing else "bfloat16"
     options = [
         click.option("--prompt", "-p", metavar="TEXT", help="Input text (else --file, else stdin when it is not a terminal)."),
         click.option("--file", "-f", type=click.File("r", encoding="utf-8"), metavar="FILE", help="Read the input from FILE ('-': stdin)."),
@@ -65,11 +70,11 @@ def generation_options(model_help: str) -> Callable:
         click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), help="Nucleus sampling mass (1: off)."),
         click.option("--min-p", type=click.FloatRange(0, 1, max_open=True), help="Drop tokens below P x the top one (0: off)."),
         click.option("--repetition-penalty", type=click.FloatRange(0, min_open=True), help="Penalise recent tokens (1: off)."),
-        click.option("--checkpoint-every", type=click.IntRange(min=1), help="Checkpoint every N generated tokens [default: 16]."),
+        click.option("--checkpoint-every", type=click.IntRange(min=1), help=f"Checkpoint every N generated tokens [default: {every_default}]."),
         click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
                      help="Where the model runs."),
         click.option("--dtype", type=click.Choice(["bfloat16", "float32", "float16"]),
-                     help="Weights and KV dtype [default: bfloat16; continue: the session's]."),
+                     help=f"Weights and KV dtype [default: {dtype_default}]."),
         click.option("--threads", type=click.IntRange(min=1), help="CPU threads for torch (bits can differ across counts)."),
         click.option("--trace", type=click.Path(dir_okay=False, path_type=Path),
                      help="Append one JSON line per generated token (position, id, logits sha256) to FILE."),
@@ -93,7 +98,7 @@ def register(cli: click.Group) -> None:
 @click.argument("session")
 @click.option("--system", "-s", help="System prompt of the chat.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Sampling seed (draws depend on seed and position only).")
-@generation_options("Model: alias, .gguf file or Hugging Face folder [default: smollm2].")
+@generation_options(continuing=False)
 @click.pass_obj
 def new(app, session: str, system: str | None, seed: int, **kwargs):
     """Create a session, read the input into it and stream the reply."""
@@ -125,7 +130,7 @@ def new(app, session: str, system: str | None, seed: int, **kwargs):
 
 @click.command(name="continue")
 @click.argument("session")
-@generation_options("Model file or alias [default: the session's own].")
+@generation_options(continuing=True)
 @click.pass_obj
 def continue_(app, session: str, **kwargs):
     """Add a turn; with no input, finish an interrupted reply or go on."""
@@ -187,6 +192,8 @@ def run_turn(s, text: str | None, o: Options, stops: "Stops") -> None:
             note("finishing the interrupted generation with its own settings; sampling options are ignored")
         pieces = s.resume(trace=o.trace)
     elif text is None:
+        if not s.tokens:
+            raise click.ClickException(f"session {s.name!r} is empty: give it input (--prompt, --file or stdin)")
         pieces = decode(s, s.generate(o.max_new_tokens, trace=o.trace, **o.sampling), stops)
     elif o.raw:
         timer = Timer()

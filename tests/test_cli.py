@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import traceback
 
 import pytest
@@ -174,6 +175,25 @@ def test_ctrl_c_checkpoints_exits_130_and_continue_finishes(model_dir, monkeypat
     monkeypatch.setattr(Session, "chat", real_chat)
     kv("continue", "int")
     assert store().tokens("int") == store().tokens("ref")
+
+
+def test_sigterm_stops_after_the_current_token_and_exits_143(model_dir, monkeypatch):
+    make("ref", model_dir, *SEEDED, n=30)
+    real_chat = Session.chat
+
+    def chat_then_sigterm(self, *args, **kwargs):
+        for i, piece in enumerate(real_chat(self, *args, **kwargs)):
+            if i == 3:
+                os.kill(os.getpid(), signal.SIGTERM)  # the CLI's handler only records it
+            yield piece
+
+    monkeypatch.setattr(Session, "chat", chat_then_sigterm)
+    r = kv("new", "term", "--model", model_dir, "-p", "hello there", "-n", "30", *SEEDED, code=143)
+    assert "stopped" in r.stderr and info("term")["active_call"] is not None
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # handlers restored
+    monkeypatch.setattr(Session, "chat", real_chat)
+    kv("continue", "term")
+    assert store().tokens("term") == store().tokens("ref")
 
 
 def test_sampling_options_on_continue_are_kept(model_dir):
@@ -394,3 +414,48 @@ def test_usage_errors(model_dir, tmp_path):
     kv("new", "u", "--top-p", "0", code=2)
     kv("export", "u", code=2)  # -o is required
     assert "u" not in store().names()
+
+
+# -- library behaviour the CLI relies on, not there yet (reported to the store's owner) ------------------
+@pytest.mark.xfail(strict=True, reason="Session.chat sets active_call only after the prompt's prefill: a chat "
+                   "turn interrupted during its prefill leaves nothing for resume(), so `kvstore continue` cannot "
+                   "finish it as a chat reply (no assistant message is ever recorded)")
+def test_chat_interrupted_during_its_prefill_can_be_resumed(model_dir):
+    model = kvstore.load_model(model_dir)
+    message = "The quick brown fox jumps over the lazy dog, again and again."
+    with store().new("whole", model, seed=1, chunk_size=4, temperature=0.9) as s:
+        reply = "".join(s.chat(message, max_new_tokens=8))
+    s = store().new("cut", model, seed=1, chunk_size=4, temperature=0.9)
+
+    def ctrl_c_mid_prefill(head, n_tokens, n_cached):
+        if 0 < n_cached < n_tokens - 1:
+            raise KeyboardInterrupt
+
+    s.on_checkpoint = ctrl_c_mid_prefill
+    with pytest.raises(KeyboardInterrupt):
+        for _ in s.chat(message, max_new_tokens=8):
+            pass
+    s.on_checkpoint = None
+    s.close()
+    with store().open("cut", model) as s:
+        assert "".join(s.resume()) == reply
+    assert store().tokens("cut") == store().tokens("whole")
+    assert [m.role for m in store().messages("cut")] == ["user", "assistant"]
+
+
+def test_continue_an_empty_session_without_input_says_what_to_do(model_dir):
+    kv("new", "empty", "--model", model_dir)
+    assert "is empty: give it input" in error("continue", "empty")
+
+
+@pytest.mark.cuda
+def test_new_and_continue_on_cuda(model_dir):
+    """On one device a split run equals a whole one; a CPU session continues on CUDA (values close, C1)."""
+    args = ["--raw", "-p", "The fox resumes its run", *SEEDED, "--device", "cuda"]
+    kv("new", "whole", "--model", model_dir, *args, "-n", "12")
+    kv("new", "split", "--model", model_dir, *args, "-n", "6")
+    kv("continue", "split", "-n", "6", "--device", "cuda")
+    assert store().tokens("split") == store().tokens("whole")
+    kv("new", "moved", "--model", model_dir, "--raw", "-p", "The fox resumes its run", "-n", "4")
+    kv("continue", "moved", "-n", "4", "--device", "cuda")
+    assert info("moved")["n_tokens"] == info("whole")["n_tokens"] - 4

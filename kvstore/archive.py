@@ -1,4 +1,4 @@
-"""Export and import: one self-describing file per session (format documented in docs/ARCHIVE.md).
+"""Export and import: one self-describing file per session (format documented in docs/FORMATS.md).
 
 Layout: magic `\\x89KVS\\r\\n\\x1a\\n`, u32 version, u32 flags, u64 manifest length, u64 xxh3-64 of
 the manifest, the manifest (UTF-8 JSON), then the data region: one byte-shuffled zstd frame per

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -34,6 +35,25 @@ def pytest_collection_modifyitems(config, items):
 def _private_home(tmp_path, monkeypatch):
     """Nothing a test does lands in the user's kvstore home."""
     monkeypatch.setenv("KVSTORE_HOME", str(tmp_path / "kvstore-home"))
+
+
+@contextmanager
+def single_thread():
+    """Torch on one CPU thread: float32 with two threads flips between a fast and a several times
+    slower mode on these machines, worse when cores are shared; one thread is steady. Only for work
+    compared inside one process (the thread count changes bf16 bits)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.fixture
+def one_thread():
+    with single_thread():
+        yield
 
 
 # -- tiny random models --------------------------------------------------------------------------
@@ -89,6 +109,7 @@ def hf_smollm2(smollm2_path):
     """transformers' SmolLM2 from the same GGUF (dequantized), float32, eval mode."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(smollm2_path.parent), gguf_file=smollm2_path.name,
-                                                 dtype=torch.float32)
+    with single_thread():
+        model = AutoModelForCausalLM.from_pretrained(str(smollm2_path.parent), gguf_file=smollm2_path.name,
+                                                     dtype=torch.float32)
     return model.eval()

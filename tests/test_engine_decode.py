@@ -16,6 +16,7 @@ import kvstore
 from kvstore import KVCache, SamplerSettings, Sequence
 from kvstore.generate import chunk_bounds
 
+pytestmark = pytest.mark.usefixtures("one_thread")
 ARCHS = ["llama-gqa", "qwen2-bias", "llama3-rope", "linear-rope", "gpt2"]
 SAMPLED = SamplerSettings(temperature=0.9, top_k=40, top_p=0.95, repetition_penalty=1.1)
 
@@ -113,6 +114,22 @@ def test_interrupted_chunked_prefill_resumes_bit_identically(loaded, tiny, name,
     restarted = kvstore.load_model(tiny(name).folder, dtype=dtype)  # a new process loads the model afresh
     resumed = Sequence(restarted, KVCache.from_state(state), saved_tokens, chunk_size=8)
     list(resumed.extend(prompt[len(saved_tokens):]))
+    events = list(resumed.generate(SAMPLED, seed=7, max_new_tokens=len(tokens)))
+    assert [e.token for e in events] == tokens
+    assert torch.equal(torch.stack([e.logits for e in events]), logits)
+
+
+def test_resume_is_bit_identical_with_the_default_thread_count(loaded, tiny):
+    """The other tests here run on one thread (steady timing); sessions run on two or more."""
+    torch.set_num_threads(2)  # the one_thread fixture restores the count afterwards
+    model = loaded("llama-gqa", "bfloat16")
+    prompt = tiny("llama-gqa").ids(40)
+    tokens, logits = run(model, prompt, chunk_size=16)
+    first = Sequence(model, chunk_size=16)
+    next(first.extend(prompt))  # one chunk of 16, then the process "dies"
+    state = [t.clone() for t in first.cache.state()]
+    resumed = Sequence(model, KVCache.from_state(state), prompt[:16], chunk_size=16)
+    list(resumed.extend(prompt[16:]))
     events = list(resumed.generate(SAMPLED, seed=7, max_new_tokens=len(tokens)))
     assert [e.token for e in events] == tokens
     assert torch.equal(torch.stack([e.logits for e in events]), logits)

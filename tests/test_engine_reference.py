@@ -17,6 +17,7 @@ from torch.testing import assert_close
 import kvstore
 from engine_models import SPECS, Q
 
+pytestmark = pytest.mark.usefixtures("one_thread")
 ARCHS = list(SPECS)
 
 

@@ -13,7 +13,7 @@ from torch.testing import assert_close
 
 from kvstore import SamplerSettings, Sequence
 
-pytestmark = pytest.mark.realmodel
+pytestmark = [pytest.mark.realmodel, pytest.mark.usefixtures("one_thread")]
 
 CODE = '''\
 import json, sys

@@ -21,6 +21,7 @@ import click
 from .render import PrefillBar, Stream, Timer, note, rate
 
 DEFAULT_MODEL = "smollm2"
+DEFAULT_MAX_NEW_TOKENS = 256
 SAMPLING = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
 
 
@@ -58,27 +59,30 @@ def generation_options(continuing: bool) -> Callable:
                   "Model: alias, .gguf file or Hugging Face folder [default: smollm2].")
     every_default = "the session's" if continuing else "16"
     dtype_default = "the session's" if continuing else "bfloat16"
+    o = click.option
     options = [
-        click.option("--prompt", "-p", metavar="TEXT", help="Input text (else --file, else stdin when it is not a terminal)."),
-        click.option("--file", "-f", type=click.File("r", encoding="utf-8"), metavar="FILE", help="Read the input from FILE ('-': stdin)."),
-        click.option("--raw", is_flag=True, help="Feed the input as is, without the chat template (documents, completion)."),
-        click.option("--model", "-m", metavar="MODEL", help=model_help),
-        click.option("--max-new-tokens", "-n", type=click.IntRange(min=0), default=256, show_default=True,
-                     help="Most tokens to generate."),
-        click.option("--temperature", type=click.FloatRange(min=0), help="Sampling temperature (0: greedy)."),
-        click.option("--top-k", type=click.IntRange(min=0), help="Keep the K most likely tokens (0: off)."),
-        click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), help="Nucleus sampling mass (1: off)."),
-        click.option("--min-p", type=click.FloatRange(0, 1, max_open=True), help="Drop tokens below P x the top one (0: off)."),
-        click.option("--repetition-penalty", type=click.FloatRange(0, min_open=True), help="Penalise recent tokens (1: off)."),
-        click.option("--checkpoint-every", type=click.IntRange(min=1), help=f"Checkpoint every N generated tokens [default: {every_default}]."),
-        click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
-                     help="Where the model runs."),
-        click.option("--dtype", type=click.Choice(["bfloat16", "float32", "float16"]),
-                     help=f"Weights and KV dtype [default: {dtype_default}]."),
-        click.option("--threads", type=click.IntRange(min=1), help="CPU threads for torch (bits can differ across counts)."),
-        click.option("--trace", type=click.Path(dir_okay=False, path_type=Path),
-                     help="Append one JSON line per generated token (position, id, logits sha256) to FILE."),
-        click.option("--verbose", "-v", is_flag=True, help="Print timings (load, restore, prefill, decode) on stderr."),
+        o("--prompt", "-p", metavar="TEXT", help="Input text (else --file, else stdin when it is not a terminal)."),
+        o("--file", "-f", type=click.File("r", encoding="utf-8"), metavar="FILE",
+          help="Read the input from FILE ('-': stdin)."),
+        o("--raw", is_flag=True, help="Feed the input as is, without the chat template (documents, completion)."),
+        o("--model", "-m", metavar="MODEL", help=model_help),
+        o("--max-new-tokens", "-n", type=click.IntRange(min=0), default=DEFAULT_MAX_NEW_TOKENS, show_default=True,
+          help="Most tokens to generate."),
+        o("--temperature", type=click.FloatRange(min=0), help="Sampling temperature (0: greedy)."),
+        o("--top-k", type=click.IntRange(min=0), help="Keep the K most likely tokens (0: off)."),
+        o("--top-p", type=click.FloatRange(0, 1, min_open=True), help="Nucleus sampling mass (1: off)."),
+        o("--min-p", type=click.FloatRange(0, 1, max_open=True), help="Drop tokens below P x the top one (0: off)."),
+        o("--repetition-penalty", type=click.FloatRange(0, min_open=True), help="Penalise recent tokens (1: off)."),
+        o("--checkpoint-every", type=click.IntRange(min=1),
+          help=f"Checkpoint every N generated tokens [default: {every_default}]."),
+        o("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
+          help="Where the model runs."),
+        o("--dtype", type=click.Choice(["bfloat16", "float32", "float16"]),
+          help=f"Weights and KV dtype [default: {dtype_default}]."),
+        o("--threads", type=click.IntRange(min=1), help="CPU threads for torch (bits can differ across counts)."),
+        o("--trace", type=click.Path(dir_okay=False, path_type=Path),
+          help="Append one JSON line per generated token (position, id, logits sha256) to FILE."),
+        o("--verbose", "-v", is_flag=True, help="Print timings (load, restore, prefill, decode) on stderr."),
     ]
 
     def decorate(f):
@@ -97,7 +101,8 @@ def register(cli: click.Group) -> None:
 @click.command()
 @click.argument("session")
 @click.option("--system", "-s", help="System prompt of the chat.")
-@click.option("--seed", type=int, default=0, show_default=True, help="Sampling seed (draws depend on seed and position only).")
+@click.option("--seed", type=int, default=0, show_default=True,
+              help="Sampling seed (draws depend on seed and position only).")
 @generation_options(continuing=False)
 @click.pass_obj
 def new(app, session: str, system: str | None, seed: int, **kwargs):
@@ -188,7 +193,7 @@ def probe_lock(store, info) -> None:
 
 def run_turn(s, text: str | None, o: Options, stops: "Stops") -> None:
     if text is None and s.active_call:
-        if o.sampling or o.max_new_tokens != 256:
+        if o.sampling or o.max_new_tokens != DEFAULT_MAX_NEW_TOKENS:
             note("finishing the interrupted generation with its own settings; sampling options are ignored")
         pieces = s.resume(trace=o.trace)
     elif text is None:
@@ -261,8 +266,14 @@ def stopped(store, name: str, e: BaseException) -> None:
     if isinstance(e, BrokenPipeError):
         quiet_stdout()
         raise click.exceptions.Exit(128 + signal.SIGPIPE)
-    info = store.info(name)
+    from kvstore.errors import KvstoreError
+
     code = 128 + (e.signum if isinstance(e, Stopped) else signal.SIGINT)
+    try:
+        info = store.info(name)
+    except KvstoreError:  # stopped before the session was created
+        note("stopped")
+        raise click.exceptions.Exit(code) from None
     what = "a reply is unfinished: `kvstore continue {0}` finishes it" if info.active_call else \
         "`kvstore continue {0}` goes on from there"
     note(f"stopped; {name!r} is checkpointed at {info.n_tokens:,} tokens; " + what.format(name))

@@ -98,9 +98,10 @@ def _write_atomic(path: Path, parts: list[bytes]) -> None:
 # -- import ------------------------------------------------------------------------------------------
 def read_manifest(path: Path) -> tuple[dict[str, Any], int, int]:
     """(manifest, data start, data size) after checking magic, version, sizes and the manifest checksum."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        head = f.read(HEADER.size)
+    fd = io.open_read(path)
+    try:
+        size = io.size(fd)
+        head = io.pread(fd, HEADER.size, 0)
         if len(head) < HEADER.size or head[:8] != MAGIC:
             raise UnsupportedFormat(f"{path.name} is not a kvstore archive (bad magic); export one with `kvstore export`")
         magic, version, flags, length, digest = HEADER.unpack(head)
@@ -111,7 +112,9 @@ def read_manifest(path: Path) -> tuple[dict[str, Any], int, int]:
             raise UnsupportedFormat(f"{path.name} uses archive flags {flags:#x} this kvstore does not know")
         if length > MAX_MANIFEST or HEADER.size + length > size:
             raise CorruptData(f"{path.name}: manifest length {length} does not fit the file ({size} bytes)")
-        body = f.read(length)
+        body = io.pread(fd, length, HEADER.size)
+    finally:
+        io.close(fd)
     if xxhash.xxh3_64_intdigest(body) != digest:
         raise CorruptData(f"{path.name}: the manifest fails its checksum; the archive is damaged")
     try:
@@ -152,13 +155,14 @@ def _write_extents(path: Path, plan: dict[str, Any], data_start: int, directory:
     """Inflate and verify every frame, appending each extent to the new segment (not yet committed)."""
     itemsize, end, written = ITEMSIZE[plan["session"]["dtype"]], 0, []
     n_kv, hd = plan["session"]["kv_layout"]["per_token"][1:]
-    with open(path, "rb") as f:
+    fd = io.open_read(path)
+    try:
         for e_index, extent in enumerate(plan["extents"]):
             layers = []
             for layer, fr in enumerate(extent["frames"]):
-                f.seek(data_start + fr["offset"])
                 what = f"{path.name}: extent {e_index}, layer {layer}"
-                raw = codec.unpack_frame(f.read(fr["size"]), fr["raw_size"], itemsize, what=what)
+                frame = io.pread(fd, fr["size"], data_start + fr["offset"])
+                raw = codec.unpack_frame(frame, fr["raw_size"], itemsize, what=what)
                 if codec.checksum(raw) != fr["xxh3"]:
                     raise CorruptData(f"{what}: checksum mismatch; the archive is damaged")
                 layers.append(raw)
@@ -169,6 +173,8 @@ def _write_extents(path: Path, plan: dict[str, Any], data_start: int, directory:
             w = segments.append(directory, end, tensors)
             end = w.end
             written.append((extent, w))
+    finally:
+        io.close(fd)
     return written
 
 
@@ -203,9 +209,10 @@ def _commit(store, plan: dict[str, Any], name: str, session_id: str, written: li
 
 
 def _discard(directory: Path) -> None:
-    import shutil
-
-    shutil.rmtree(directory, ignore_errors=True)
+    try:
+        io.rmtree(directory)
+    except OSError:  # a leftover folder without an index row is removed by gc
+        pass
 
 
 # -- validation --------------------------------------------------------------------------------------

@@ -48,7 +48,7 @@ def pack(blobs_dir: Path, layers: list[np.ndarray], itemsize: int) -> Packed:
         offset += len(f)
     body = b"".join(frames)
     path = blob_path(blobs_dir, digest)
-    if not path.exists():
+    if not io.exists(path):
         io.mkdir(blobs_dir)
         write_durable(path, body)
     return Packed(digest, table, len(body), codec.checksum(body))

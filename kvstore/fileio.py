@@ -1,28 +1,38 @@
 """The store's one I/O seam: every file operation it performs goes through `io` here.
 
-Tests swap `io` for a fault-injecting layer (drop unsynced writes, fail the Nth call with ENOSPC
-or EIO); users get plain POSIX calls. ENOSPC from `allocate` or `pwrite` becomes `StoreFull`, so a
-full disk is an exception and never a SIGBUS (space is reserved before bytes are written).
+`io` forwards to a backend, plain POSIX calls (`PosixIO`) unless a test swaps in another with
+`use(backend)`: the fault-injecting layer in `tests/faults.py` counts the operations, drops or
+garbles unsynced writes, undoes unsynced directory changes and fails the Nth call with ENOSPC or
+EIO. So everything the store does to files is here: create, reserve, write, read, fsync (files and
+directories), truncate, rename, unlink, list, stat, remove a tree, and the writer lock. ENOSPC
+from any of the writing calls becomes `StoreFull` (`reraise_full`), so a full disk is an
+exception and never a SIGBUS (space is reserved before bytes are written).
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 from .errors import StoreFull
+
+CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
 
 class PosixIO:
     """Plain file operations. Methods take and return file descriptors and paths."""
 
+    # -- files -------------------------------------------------------------------------------------
     def open(self, path: Path, *, create: bool = False) -> int:
         flags = os.O_RDWR | (os.O_CREAT if create else 0)
-        return os.open(path, flags | getattr(os, "O_CLOEXEC", 0), 0o644)
+        return os.open(path, flags | CLOEXEC, 0o644)
 
     def open_read(self, path: Path) -> int:
-        return os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        return os.open(path, os.O_RDONLY | CLOEXEC)
 
     def close(self, fd: int) -> None:
         os.close(fd)
@@ -50,8 +60,40 @@ class PosixIO:
             total += n
         return total
 
+    def pread(self, fd: int, length: int, offset: int) -> bytes:
+        """Up to `length` bytes from offset (fewer at end of file)."""
+        buf = bytearray(length)
+        return bytes(buf[:self.pread_into(fd, buf, offset)])
+
     def fsync(self, fd: int) -> None:
         os.fsync(fd)
+
+    def truncate(self, fd: int, length: int) -> None:
+        os.ftruncate(fd, length)
+
+    def read_file(self, path: Path) -> bytes:
+        fd = self.open_read(path)
+        try:
+            return self.pread(fd, self.size(fd), 0)
+        finally:
+            self.close(fd)
+
+    # -- names -------------------------------------------------------------------------------------
+    def exists(self, path: Path) -> bool:
+        return os.path.lexists(path)
+
+    def is_dir(self, path: Path) -> bool:
+        return os.path.isdir(path)
+
+    def file_size(self, path: Path) -> int:
+        return os.stat(path).st_size
+
+    def listdir(self, path: Path) -> list[Path]:
+        """The entries of a directory, sorted; empty when it does not exist."""
+        try:
+            return [path / name for name in sorted(os.listdir(path))]
+        except (FileNotFoundError, NotADirectoryError):
+            return []
 
     def fsync_dir(self, path: Path) -> None:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
@@ -60,14 +102,16 @@ class PosixIO:
         finally:
             os.close(fd)
 
-    def truncate(self, fd: int, length: int) -> None:
-        os.ftruncate(fd, length)
-
     def mkdir(self, path: Path) -> bool:
-        """Create a directory (and parents); True if it was created."""
-        if path.is_dir():
+        """Create a directory (and missing parents, outermost first); True if it was created."""
+        if self.is_dir(path):
             return False
-        path.mkdir(parents=True, exist_ok=True)
+        if not self.is_dir(path.parent):
+            self.mkdir(path.parent)
+        try:
+            os.mkdir(path)
+        except FileExistsError:
+            return False
         return True
 
     def rename(self, src: Path, dst: Path) -> None:
@@ -85,12 +129,54 @@ class PosixIO:
         except FileNotFoundError:
             pass
 
-    def read_file(self, path: Path) -> bytes:
-        with open(path, "rb") as f:
-            return f.read()
+    def rmtree(self, path: Path) -> None:
+        """Remove a directory and everything in it (no symlink is followed), one call per entry."""
+        for entry in self.listdir(path):
+            if self.is_dir(entry) and not os.path.islink(entry):
+                self.rmtree(entry)
+            else:
+                self.unlink(entry)
+        self.rmdir(path)
+
+    # -- the writer lock ---------------------------------------------------------------------------
+    def lock(self, path: Path) -> int:
+        """Open (creating) `path` and take an exclusive flock without waiting (BlockingIOError)."""
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def unlock(self, fd: int) -> None:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            os.close(fd)
 
 
-io: PosixIO = PosixIO()
+class Seam:
+    """What the store calls: forwards every operation to the current backend."""
+
+    def __init__(self, backend: PosixIO):
+        self.backend = backend
+
+    def __getattr__(self, name: str):
+        return getattr(self.backend, name)
+
+
+io = Seam(PosixIO())
+
+
+@contextmanager
+def use(backend: PosixIO) -> Iterator[PosixIO]:
+    """Route the store's file operations through `backend` for the duration (tests)."""
+    before, io.backend = io.backend, backend
+    try:
+        yield backend
+    finally:
+        io.backend = before
 
 
 def reraise_full(e: OSError, what: str) -> None:

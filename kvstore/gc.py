@@ -10,7 +10,6 @@ one is writing are removed too.
 from __future__ import annotations
 
 import os
-import shutil
 
 from sqlalchemy import delete, select
 
@@ -46,10 +45,8 @@ def collect(store) -> dict[str, int]:
 
 def _remove_dead_dirs(store, live: set[str]) -> int:
     count = 0
-    if not store.sessions_dir.is_dir():
-        return 0
-    for directory in store.sessions_dir.iterdir():
-        if directory.is_dir() and directory.name not in live:
+    for directory in io.listdir(store.sessions_dir):
+        if io.is_dir(directory) and directory.name not in live:
             try:  # a folder being created by a writer right now holds its lock
                 lock = SessionLock(directory, directory.name).acquire()
             except SessionBusy:
@@ -58,7 +55,7 @@ def _remove_dead_dirs(store, live: set[str]) -> int:
                 with store.db() as db:  # created and committed since our snapshot?
                     if db.get(SegmentRow, directory.name) is not None:
                         continue
-                shutil.rmtree(directory, ignore_errors=True)
+                _remove_tree(directory)
                 count += 1
             finally:
                 lock.release()
@@ -69,15 +66,20 @@ def _remove_dead_dirs(store, live: set[str]) -> int:
 
 def _remove_dead_blobs(store, live: set[str]) -> int:
     count = 0
-    if not store.blobs_dir.is_dir():
-        return 0
-    for path in store.blobs_dir.iterdir():
+    for path in io.listdir(store.blobs_dir):
         stem = path.name.removesuffix(".kvz")
         if (path.name.endswith(".tmp") and not _writer_alive(path.name)) or \
                 (path.name.endswith(".kvz") and stem not in live):
             io.unlink(path)
             count += 1
     return count
+
+
+def _remove_tree(directory) -> None:
+    try:
+        io.rmtree(directory)
+    except OSError:  # what is left is removed by the next gc
+        pass
 
 
 def _writer_alive(tmp_name: str) -> bool:
@@ -96,9 +98,9 @@ def _free_packed_segments(store, live: set[str]) -> int:
     from .pack import free_packed_segment
 
     freed = 0
-    for segment_id in live:
+    for segment_id in sorted(live):
         directory = store.session_dir(segment_id)
-        if not any(segments.LAYER_FILE.fullmatch(p.name) for p in directory.glob("layer-*.kv")):
+        if not any(segments.LAYER_FILE.fullmatch(p.name) for p in io.listdir(directory)):
             continue
         try:
             lock = SessionLock(directory, segment_id).acquire()

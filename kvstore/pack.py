@@ -49,8 +49,8 @@ def free_packed_segment(store, segment_id: str) -> bool:
     if unpacked is not None:
         return False
     directory = store.session_dir(segment_id)
-    if directory.is_dir():
-        for path in directory.iterdir():
+    if io.is_dir(directory):
+        for path in io.listdir(directory):
             if segments.LAYER_FILE.fullmatch(path.name):
                 io.unlink(path)
         io.fsync_dir(directory)

@@ -59,7 +59,7 @@ def append(directory: Path, committed_end: int, layers: list[torch.Tensor]) -> W
     try:
         for i, d in enumerate(data):
             path = layer_path(directory, i)
-            created |= not path.exists()
+            created |= not io.exists(path)
             fds.append(io.open(path, create=True))
             io.allocate(fds[-1], offset, length)
             io.pwrite(fds[-1], d, offset)
@@ -78,9 +78,7 @@ def append(directory: Path, committed_end: int, layers: list[torch.Tensor]) -> W
 
 def truncate_uncommitted(directory: Path, committed_end: int) -> None:
     """Drop bytes a killed writer left after the last committed extent (recovery on open)."""
-    if not directory.is_dir():
-        return
-    for path in directory.iterdir():
+    for path in io.listdir(directory):
         if path.name.endswith(".tmp"):
             io.unlink(path)
         elif LAYER_FILE.fullmatch(path.name):

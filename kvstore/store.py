@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,12 +20,14 @@ from sqlalchemy import delete, func, select
 from sqlalchemy.orm import Session as DB
 
 from .errors import InvalidName, ModelMismatch, SessionExists, SessionNotFound, StoreMissing
+from .fileio import io
 from .generate import DEFAULT_CHUNK
 from .index import (BlobRow, CheckpointRow, ExtentBlobRow, MessageRow, ModelRow, SegmentRow,
                     SessionExtentRow, SessionRow, TokenBlockRow, make_engine, upgrade, utcnow)
 from .locking import SessionLock
 from .paths import home_dir
 from .sampling import SamplerSettings
+from .segments import LAYER_FILE
 
 NAME = re.compile(r"[^\W_][\w.:@+-]{0,127}")
 DEFAULT_CHECKPOINT_EVERY = 16
@@ -178,8 +179,8 @@ class Store:
         seg = db.get(SegmentRow, session_id)
         raw = 0
         directory = self.session_dir(session_id)
-        if seg is not None and directory.is_dir():
-            raw = sum(p.stat().st_size for p in directory.glob("layer-*.kv"))
+        if seg is not None:
+            raw = sum(io.file_size(p) for p in io.listdir(directory) if LAYER_FILE.fullmatch(p.name))
         packed = db.scalar(select(func.coalesce(func.sum(BlobRow.size), 0))
                            .where(BlobRow.hash.in_(select(ExtentBlobRow.blob_hash)
                                                    .join(SessionExtentRow,
@@ -313,20 +314,23 @@ def fork_rows(db: DB, parent: SessionRow, new_name: str, at: int | None) -> Sess
 def open_store(home: str | os.PathLike | None = None, url: str | None = None) -> Store:
     """Open (creating if needed) the store in `home`; its index is `url` or `home/kvstore.db`."""
     root = home_dir(home)
-    root.mkdir(parents=True, exist_ok=True)
+    io.mkdir(root)
     if url is None:
         db_file = root / "kvstore.db"
         sessions = root / "sessions"
-        if not db_file.exists() and sessions.is_dir() and any(sessions.iterdir()):
+        if not io.exists(db_file) and io.listdir(sessions):
             raise StoreMissing(f"{db_file} is missing but {sessions} holds session files; the index was deleted "
                                "or moved. Restore kvstore.db, or move the sessions folder away to start afresh")
         url = f"sqlite:///{db_file}"
     store = Store(root, url)
-    (root / "sessions").mkdir(exist_ok=True)
+    io.mkdir(root / "sessions")
     upgrade(store.engine, url)
     return store
 
 
 def remove_tree(path: Path) -> None:
-    shutil.rmtree(path, ignore_errors=True)
+    try:
+        io.rmtree(path)
+    except OSError:
+        pass
 

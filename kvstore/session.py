@@ -182,10 +182,11 @@ class Session:
         history = [{"role": m["role"], "content": m["text"]} for m in self.messages]
         ids = turn_ids(self.model.tokenizer, history, {"role": "user", "content": message}, self.seq.tokens)
         start = len(self.seq.tokens)
+        self.seq.add(ids)
         self._set_message(len(self.messages), "user", message, start, start + len(ids))
-        self.append_tokens(ids)
         reply = len(self.messages)
         self._set_message(reply, "assistant", "", len(self.seq.tokens), len(self.seq.tokens))
+        # the call is recorded with the prompt, before its prefill: a turn killed anywhere can be resumed
         call = self._start_call("chat", max_new_tokens, (), sampling, message=reply)
         yield from self._pieces(call, trace)
 
@@ -213,13 +214,15 @@ class Session:
         self._check_open()
         if max_new_tokens < 0:
             raise ValueError("max_new_tokens must be >= 0")
-        self._seal_call()
-        self.finish_prefill()
+        if kind != "chat":
+            self._seal_call()
         if sampling:
             self.settings = dataclasses.replace(self.settings, **sampling)
         self.active_call = {"kind": kind, "start": len(self.seq.tokens), "max_new_tokens": int(max_new_tokens),
                             "stop": list(stop), **extra}
         self._call_dirty = True
+        self.checkpoint("call")
+        self.finish_prefill()
         return self.active_call
 
     def _run(self, call: dict[str, Any], trace) -> Iterator[TokenEvent]:

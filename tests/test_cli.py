@@ -416,10 +416,7 @@ def test_usage_errors(model_dir, tmp_path):
     assert "u" not in store().names()
 
 
-# -- library behaviour the CLI relies on, not there yet (reported to the store's owner) ------------------
-@pytest.mark.xfail(strict=True, reason="Session.chat sets active_call only after the prompt's prefill: a chat "
-                   "turn interrupted during its prefill leaves nothing for resume(), so `kvstore continue` cannot "
-                   "finish it as a chat reply (no assistant message is ever recorded)")
+# -- library behaviour the CLI relies on ---------------------------------------------------------------
 def test_chat_interrupted_during_its_prefill_can_be_resumed(model_dir):
     model = kvstore.load_model(model_dir)
     message = "The quick brown fox jumps over the lazy dog, again and again."

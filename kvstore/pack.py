@@ -2,7 +2,7 @@
 
 Each extent the session uses is read (checksums verified), packed into a content-addressed blob
 (`blobs.py`), and recorded in `extent_blobs` in one transaction. Blobs are written durably before
-that commit, and the raw files are removed only after it, so a crash at any point leaves every
+that commit (their bytes, their names and the blobs folder's name: all fsynced), and the raw files are removed only after it, so a crash at any point leaves every
 extent readable from one place or the other. Extents shared with forks are packed once for all.
 Raw files of other sessions' segments are left alone (their owner may be writing); `gc` frees them.
 """
@@ -30,6 +30,9 @@ def pack_session(store, session_id: str, name: str) -> dict[str, int]:
         new_rows.append((ref.extent_id, packed))
         raw_bytes += ref.raw_size * len(layers)
         packed_bytes += packed.size
+    if new_rows:  # the blobs' names (some perhaps left by an earlier, killed run) and the folder's own
+        io.fsync_dir(store.blobs_dir)
+        io.fsync_dir(store.home)
     with store.db() as db, db.begin():
         for extent_id, p in new_rows:
             if db.get(BlobRow, p.hash) is None:

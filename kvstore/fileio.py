@@ -179,6 +179,18 @@ def use(backend: PosixIO) -> Iterator[PosixIO]:
         io.backend = before
 
 
+def temp_in_use(path: Path) -> bool:
+    """Is a writer still writing this temp file (it holds the file's flock)?"""
+    try:
+        fd = io.lock(path)
+    except BlockingIOError:
+        return True
+    except FileNotFoundError:  # renamed into place or removed meanwhile
+        return True
+    io.unlock(fd)
+    return False
+
+
 def reraise_full(e: OSError, what: str) -> None:
     """Turn ENOSPC/EDQUOT into StoreFull; let other errors through."""
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -188,9 +200,13 @@ def reraise_full(e: OSError, what: str) -> None:
 
 
 def write_durable(path: Path, data: bytes) -> None:
-    """Write a new file via a temp name, fsync it, rename it into place, fsync the directory."""
+    """Write a new file via a temp name, fsync it, rename it into place, fsync the directory.
+
+    The temp file is flocked while it is written, so `temp_in_use` can tell a live writer's from
+    one a crash left behind (a pid in the name cannot: pids are reused, after a reboot above all).
+    """
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = io.open(tmp, create=True)
+    fd = io.lock(tmp)
     try:
         try:
             io.truncate(fd, 0)
@@ -198,12 +214,12 @@ def write_durable(path: Path, data: bytes) -> None:
             io.pwrite(fd, data, 0)
             io.fsync(fd)
         except OSError as e:
-            io.close(fd)
+            io.unlock(fd)
             fd = -1
             io.unlink(tmp)
             reraise_full(e, f"writing {path.name}")
     finally:
         if fd >= 0:
-            io.close(fd)
+            io.unlock(fd)
     io.rename(tmp, path)
     io.fsync_dir(path.parent)

@@ -3,19 +3,17 @@
 In one transaction: extents no session uses, then segments with no extents whose session is gone,
 then blobs no extent uses. Files go only after that commit, so a crash leaves at worst an
 unreferenced file that the next gc removes. Session folders with no index row (a writer killed
-while creating one), stale temp files and the raw files of fully packed segments of sessions no
-one is writing are removed too.
+while creating one), temp files no writer holds (flock) and the raw files of fully packed
+segments of sessions no one is writing are removed too.
 """
 
 from __future__ import annotations
-
-import os
 
 from sqlalchemy import delete, select
 
 from . import segments
 from .errors import SessionBusy
-from .fileio import io
+from .fileio import io, temp_in_use
 from .index import BlobRow, ExtentBlobRow, ExtentRow, SegmentRow, SessionExtentRow, SessionRow
 from .locking import SessionLock
 
@@ -68,7 +66,7 @@ def _remove_dead_blobs(store, live: set[str]) -> int:
     count = 0
     for path in io.listdir(store.blobs_dir):
         stem = path.name.removesuffix(".kvz")
-        if (path.name.endswith(".tmp") and not _writer_alive(path.name)) or \
+        if (path.name.endswith(".tmp") and not temp_in_use(path)) or \
                 (path.name.endswith(".kvz") and stem not in live):
             io.unlink(path)
             count += 1
@@ -80,18 +78,6 @@ def _remove_tree(directory) -> None:
         io.rmtree(directory)
     except OSError:  # what is left is removed by the next gc
         pass
-
-
-def _writer_alive(tmp_name: str) -> bool:
-    """Temp files are named `.<name>.<pid>.tmp`: is that process still running?"""
-    try:
-        pid = int(tmp_name.rsplit(".", 2)[-2])
-        os.kill(pid, 0)
-    except (ValueError, IndexError, ProcessLookupError):
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _free_packed_segments(store, live: set[str]) -> int:

@@ -122,9 +122,12 @@ def kill_after(proc, conn, delay: float) -> list[tuple]:
     """SIGKILL the child `delay` seconds from now (or when it ends); returns every message it sent."""
     messages = []
     deadline = time.monotonic() + delay
-    while time.monotonic() < deadline and proc.is_alive():
-        if conn.poll(max(0.0, min(0.005, deadline - time.monotonic()))):
-            messages.append(conn.recv())
+    try:
+        while time.monotonic() < deadline and proc.is_alive():
+            if conn.poll(max(0.0, min(0.005, deadline - time.monotonic()))):
+                messages.append(conn.recv())
+    except EOFError:  # the child ended (and closed its end) before the deadline
+        pass
     if proc.is_alive():
         os.kill(proc.pid, signal.SIGKILL)
     proc.join(10)

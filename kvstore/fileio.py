@@ -179,6 +179,15 @@ def use(backend: PosixIO) -> Iterator[PosixIO]:
         io.backend = before
 
 
+def make_dir(path: Path) -> None:
+    """Create a directory (and missing parents) durably: each new one is fsynced into its parent."""
+    if io.is_dir(path):
+        return
+    make_dir(path.parent)
+    if io.mkdir(path):
+        io.fsync_dir(path.parent)
+
+
 def temp_in_use(path: Path) -> bool:
     """Is a writer still writing this temp file (it holds the file's flock)?"""
     try:

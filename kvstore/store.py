@@ -20,7 +20,7 @@ from sqlalchemy import delete, func, select
 from sqlalchemy.orm import Session as DB
 
 from .errors import InvalidName, ModelMismatch, SessionExists, SessionNotFound, StoreMissing
-from .fileio import io
+from .fileio import io, make_dir
 from .generate import DEFAULT_CHUNK
 from .index import (BlobRow, CheckpointRow, ExtentBlobRow, MessageRow, ModelRow, SegmentRow,
                     SessionExtentRow, SessionRow, TokenBlockRow, make_engine, upgrade, utcnow)
@@ -314,7 +314,7 @@ def fork_rows(db: DB, parent: SessionRow, new_name: str, at: int | None) -> Sess
 def open_store(home: str | os.PathLike | None = None, url: str | None = None) -> Store:
     """Open (creating if needed) the store in `home`; its index is `url` or `home/kvstore.db`."""
     root = home_dir(home)
-    io.mkdir(root)
+    make_dir(root)
     if url is None:
         db_file = root / "kvstore.db"
         sessions = root / "sessions"
@@ -323,7 +323,7 @@ def open_store(home: str | os.PathLike | None = None, url: str | None = None) ->
                                "or moved. Restore kvstore.db, or move the sessions folder away to start afresh")
         url = f"sqlite:///{db_file}"
     store = Store(root, url)
-    io.mkdir(root / "sessions")
+    make_dir(root / "sessions")
     upgrade(store.engine, url)
     return store
 

@@ -179,6 +179,18 @@ def use(backend: PosixIO) -> Iterator[PosixIO]:
         io.backend = before
 
 
+def close_all(fds: list[int]) -> None:
+    """Close every descriptor; the first error is raised once all are closed."""
+    error = None
+    for fd in fds:
+        try:
+            io.close(fd)
+        except OSError as e:
+            error = error or e
+    if error is not None:
+        raise error
+
+
 def make_dir(path: Path) -> None:
     """Create a directory (and missing parents) durably: each new one is fsynced into its parent."""
     if io.is_dir(path):

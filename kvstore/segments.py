@@ -20,7 +20,7 @@ import torch
 
 from . import codec
 from .errors import CorruptData
-from .fileio import io, reraise_full
+from .fileio import close_all, io, reraise_full
 
 PAGE = mmap.PAGESIZE
 LAYER_FILE = re.compile(r"layer-(\d{3,})\.kv")
@@ -53,27 +53,53 @@ def append(directory: Path, committed_end: int, layers: list[torch.Tensor]) -> W
     offset = align(committed_end)
     data = [as_bytes(t.contiguous()) for t in layers]
     length = data[0].nbytes
-    created = io.mkdir(directory)
     checksums = [codec.checksum(d) for d in data]
-    fds = []
+    fds: list[int] = []
+    opened: list[Path] = []
+    made: list[Path] = []  # files this call created
     try:
+        created = io.mkdir(directory)
         for i, d in enumerate(data):
             path = layer_path(directory, i)
-            created |= not io.exists(path)
+            if not io.exists(path):
+                made.append(path)
             fds.append(io.open(path, create=True))
+            opened.append(path)
             io.allocate(fds[-1], offset, length)
             io.pwrite(fds[-1], d, offset)
         for fd in fds:
             io.fsync(fd)
-        if created:
+        if created or made:
             io.fsync_dir(directory)
             io.fsync_dir(directory.parent)
+        fds, closing = [], fds
+        close_all(closing)
     except OSError as e:
+        _undo(fds, opened, made, committed_end)
         reraise_full(e, f"writing KV to {directory.name}")
-    finally:
-        for fd in fds:
-            io.close(fd)
     return Written(offset, layers[0].shape[0], checksums, offset + length)
+
+
+def _undo(fds: list[int], opened: list[Path], made: list[Path], committed_end: int) -> None:
+    """After a failed append: remove the files it created, give back the space it reserved in the
+    others. Best effort: the error that made the append fail is the one reported."""
+    try:
+        close_all(fds)
+    except OSError:
+        pass
+    for path in opened:
+        try:
+            if path in made:
+                io.unlink(path)
+                continue
+            fd = io.open(path)
+            try:
+                if io.size(fd) > committed_end:
+                    io.truncate(fd, committed_end)
+            finally:
+                io.close(fd)
+        except OSError:
+            pass
 
 
 def truncate_uncommitted(directory: Path, committed_end: int) -> None:

@@ -170,7 +170,7 @@ def _write_extents(path: Path, plan: dict[str, Any], data_start: int, directory:
 
             tensors = [torch.from_numpy(np.ascontiguousarray(d)).view(torch.uint8)
                        .view(extent["n_tokens"], 2, n_kv, hd * itemsize) for d in layers]
-            w = segments.append(directory, end, tensors)
+            w = segments.append(directory, end, tensors, names_synced=bool(written))
             end = w.end
             written.append((extent, w))
     finally:

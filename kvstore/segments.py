@@ -48,8 +48,13 @@ class Written:
     end: int  # committed_end once this extent is committed
 
 
-def append(directory: Path, committed_end: int, layers: list[torch.Tensor]) -> Written:
-    """Write one extent (per layer `[T, 2, n_kv, hd]` CPU tensors) durably after `committed_end`."""
+def append(directory: Path, committed_end: int, layers: list[torch.Tensor], *, names_synced: bool = False) -> Written:
+    """Write one extent (per layer `[T, 2, n_kv, hd]` CPU tensors) durably after `committed_end`.
+
+    The directory and its parent are fsynced when this call creates files, and also whenever the
+    caller has not yet made the names durable itself (`names_synced`): files found on disk may
+    have been created by a writer that died before its directory fsync.
+    """
     offset = align(committed_end)
     data = [as_bytes(t.contiguous()) for t in layers]
     length = data[0].nbytes
@@ -69,7 +74,7 @@ def append(directory: Path, committed_end: int, layers: list[torch.Tensor]) -> W
             io.pwrite(fds[-1], d, offset)
         for fd in fds:
             io.fsync(fd)
-        if created or made:
+        if created or made or not names_synced:
             io.fsync_dir(directory)
             io.fsync_dir(directory.parent)
         fds, closing = [], fds

@@ -44,6 +44,7 @@ class Session:
         self.messages = messages
         self._head, self._n_tokens, self._n_cached = row.head, row.n_tokens, row.n_cached
         self._committed_end = committed_end
+        self._names_synced = False  # this writer has fsynced its segment's directory entries
         self._dirty_messages: set[int] = set()
         self._call_dirty = False
         self.on_checkpoint: Callable[[int, int, int], None] | None = None  # (head, n_tokens, n_cached)
@@ -107,7 +108,8 @@ class Session:
         written = None
         if b > a:
             layers = [t.to("cpu").contiguous() for t in self.seq.cache.state(a, b)]
-            written = segments.append(self.directory, self._committed_end, layers)
+            written = segments.append(self.directory, self._committed_end, layers, names_synced=self._names_synced)
+            self._names_synced = True
         with self.store.db() as db, store_full_on_disk_full(f"checkpoint of {self.name!r}"), db.begin():
             moved = db.execute(update(SessionRow).where(SessionRow.id == self.id, SessionRow.head == self._head)
                                .values(head=self._head + 1, n_tokens=n_tokens, n_cached=b,

@@ -58,8 +58,8 @@ class Session:
         try:
             if model is None:
                 model = store.resolve_model(name, device)
-            with store.db() as db:
-                row = db.get(SessionRow, session_id)
+            with store.db() as db, db.begin():  # one snapshot, and the index's write lock while truncating:
+                row = db.get(SessionRow, session_id)  # no other writer's checkpoint is half written then
                 check_model(db, row, model)
                 seg = db.get(SegmentRow, session_id)
                 segments.truncate_uncommitted(store.session_dir(session_id), seg.committed_end)
@@ -96,7 +96,13 @@ class Session:
 
     # -- the commit protocol ---------------------------------------------------------------------
     def checkpoint(self, reason: str = "manual") -> bool:
-        """Commit everything since the last checkpoint; False when there was nothing new."""
+        """Commit everything since the last checkpoint; False when there was nothing new.
+
+        The head's compare-and-set runs first, in the index transaction, and the new extent is
+        written and fsynced while that transaction holds the index's write lock: a second writer
+        (one without the flock, say on shared storage) fails before writing a byte, so it can never
+        overwrite an extent the winner committed. The transaction commits after the fsyncs.
+        """
         self._check_open()
         if self.active_call and self.active_call.get("kind") == "chat":
             self._refresh_reply()
@@ -105,11 +111,6 @@ class Session:
         assert b < n_tokens or n_tokens == 0, "C2: the last token stays pending (not in the cache)"
         if a == b and old_tokens == n_tokens and not self._dirty_messages and not self._call_dirty:
             return False
-        written = None
-        if b > a:
-            layers = [t.to("cpu").contiguous() for t in self.seq.cache.state(a, b)]
-            written = segments.append(self.directory, self._committed_end, layers, names_synced=self._names_synced)
-            self._names_synced = True
         with self.store.db() as db, store_full_on_disk_full(f"checkpoint of {self.name!r}"), db.begin():
             moved = db.execute(update(SessionRow).where(SessionRow.id == self.id, SessionRow.head == self._head)
                                .values(head=self._head + 1, n_tokens=n_tokens, n_cached=b,
@@ -118,19 +119,13 @@ class Session:
             if moved.rowcount != 1:
                 raise SessionBusy(f"session {self.name!r} was changed or deleted by someone else since it was "
                                   "opened; nothing was committed. Open it again")
-            db.add(CheckpointRow(session_id=self.id, seq=self._head + 1, n_tokens=n_tokens, n_cached=b,
-                                 reason=reason, created_at=utcnow()))
-            if written is not None:
-                db.execute(update(SegmentRow).where(SegmentRow.id == self.id).values(committed_end=written.end))
-                extent = ExtentRow(segment_id=self.id, offset=written.offset, n_tokens=written.n_tokens,
-                                   checksums=written.checksums)
-                db.add(extent)
-                db.flush()
-                db.add(SessionExtentRow(session_id=self.id, start=a, extent_id=extent.id, n_tokens=b - a))
-            if n_tokens > old_tokens:
-                db.add(TokenBlockRow(session_id=self.id, start=old_tokens,
-                                     ids=encode_tokens(self.seq.tokens[old_tokens:])))
-            self._write_messages(db)
+            written = None
+            if b > a:
+                layers = [t.to("cpu").contiguous() for t in self.seq.cache.state(a, b)]
+                written = segments.append(self.directory, self._committed_end, layers,
+                                          names_synced=self._names_synced)
+                self._names_synced = True
+            self._record(db, reason, a, b, old_tokens, written)
         self._head, self._n_tokens, self._n_cached = self._head + 1, n_tokens, b
         if written is not None:
             self._committed_end = written.end
@@ -139,6 +134,22 @@ class Session:
         if self.on_checkpoint is not None:
             self.on_checkpoint(self._head, n_tokens, b)
         return True
+
+    def _record(self, db, reason: str, a: int, b: int, old_tokens: int, written) -> None:
+        """The rows of a checkpoint besides the head: the checkpoint, the extent, new tokens, messages."""
+        n_tokens = len(self.seq.tokens)
+        db.add(CheckpointRow(session_id=self.id, seq=self._head + 1, n_tokens=n_tokens, n_cached=b,
+                             reason=reason, created_at=utcnow()))
+        if written is not None:
+            db.execute(update(SegmentRow).where(SegmentRow.id == self.id).values(committed_end=written.end))
+            extent = ExtentRow(segment_id=self.id, offset=written.offset, n_tokens=written.n_tokens,
+                               checksums=written.checksums)
+            db.add(extent)
+            db.flush()
+            db.add(SessionExtentRow(session_id=self.id, start=a, extent_id=extent.id, n_tokens=b - a))
+        if n_tokens > old_tokens:
+            db.add(TokenBlockRow(session_id=self.id, start=old_tokens, ids=encode_tokens(self.seq.tokens[old_tokens:])))
+        self._write_messages(db)
 
     def _write_messages(self, db) -> None:
         for ordinal in sorted(self._dirty_messages):

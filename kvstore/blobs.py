@@ -1,9 +1,11 @@
 """Packed extents: `blobs/<hash>.kvz`, one byte-shuffled zstd frame per layer, content-addressed.
 
 The name is the xxh3-128 of the extent's raw bytes (all layers in order), so identical extents,
-forks' shared ones first of all, are stored once. The index keeps each frame's [offset, size] and
-a checksum of the whole file; each frame also carries zstd's own content checksum, and the raw
-bytes are checked against the extent's per-layer checksums after inflating.
+forks' shared ones first of all, are stored once. A pack holds `hold(shared=True)` from the first
+blob it writes or reuses until its commit, so gc cannot delete one in between. The index keeps
+each frame's [offset, size] and a checksum of the whole file; each frame also carries zstd's own
+content checksum, and the raw bytes are checked against the extent's per-layer checksums after
+inflating.
 """
 
 from __future__ import annotations
@@ -25,6 +27,18 @@ class Packed:
     frames: list[list[int]]
     size: int
     file_checksum: str
+
+
+LOCK = ".blobs.lock"  # in the home
+
+
+def hold(home: Path, *, shared: bool) -> int | None:
+    """The flock that keeps gc from deleting blobs a pack is writing and committing: packs share it
+    (waiting for a running gc), gc takes it alone and returns None when a pack holds it."""
+    try:
+        return io.lock(home / LOCK, shared=shared, wait=shared)
+    except BlockingIOError:
+        return None
 
 
 def blob_path(blobs_dir: Path, digest: str) -> Path:

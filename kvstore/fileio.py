@@ -139,11 +139,12 @@ class PosixIO:
         self.rmdir(path)
 
     # -- the writer lock ---------------------------------------------------------------------------
-    def lock(self, path: Path) -> int:
-        """Open (creating) `path` and take an exclusive flock without waiting (BlockingIOError)."""
+    def lock(self, path: Path, *, shared: bool = False, wait: bool = False) -> int:
+        """Open (creating) `path` and flock it, exclusive unless `shared`; without `wait` a lock held
+        elsewhere raises BlockingIOError at once."""
         fd = os.open(path, os.O_RDWR | os.O_CREAT | CLOEXEC, 0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | (0 if wait else fcntl.LOCK_NB))
         except BaseException:
             os.close(fd)
             raise

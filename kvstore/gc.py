@@ -4,14 +4,15 @@ In one transaction: extents no session uses, then segments with no extents whose
 then blobs no extent uses. Files go only after that commit, so a crash leaves at worst an
 unreferenced file that the next gc removes. Session folders with no index row (a writer killed
 while creating one), temp files no writer holds (flock) and the raw files of fully packed
-segments of sessions no one is writing are removed too.
+segments of sessions no one is writing are removed too. Blobs are left alone while a pack runs
+(`blobs.hold`): a blob it has written is not in the index until its commit.
 """
 
 from __future__ import annotations
 
 from sqlalchemy import delete, select
 
-from . import segments
+from . import blobs, segments
 from .errors import SessionBusy
 from .fileio import io, temp_in_use
 from .index import BlobRow, ExtentBlobRow, ExtentRow, SegmentRow, SessionExtentRow, SessionRow
@@ -19,6 +20,15 @@ from .locking import SessionLock
 
 
 def collect(store) -> dict[str, int]:
+    lock = blobs.hold(store.home, shared=False)  # None while a pack runs: its blobs wait for the next gc
+    try:
+        return _collect(store, blobs_too=lock is not None)
+    finally:
+        if lock is not None:
+            io.unlock(lock)
+
+
+def _collect(store, blobs_too: bool) -> dict[str, int]:
     with store.db() as db, db.begin():
         used = select(SessionExtentRow.extent_id)
         dead_extents = list(db.scalars(select(ExtentRow.id).where(ExtentRow.id.not_in(used))))
@@ -30,13 +40,14 @@ def collect(store) -> dict[str, int]:
             .where(SegmentRow.id.not_in(select(SessionRow.id)))))
         if dead_segments:
             db.execute(delete(SegmentRow).where(SegmentRow.id.in_(dead_segments)))
-        dead_blobs = list(db.scalars(select(BlobRow.hash).where(BlobRow.hash.not_in(select(ExtentBlobRow.blob_hash)))))
+        dead_blobs = list(db.scalars(select(BlobRow.hash).where(BlobRow.hash.not_in(select(ExtentBlobRow.blob_hash))))
+                          ) if blobs_too else []
         if dead_blobs:
             db.execute(delete(BlobRow).where(BlobRow.hash.in_(dead_blobs)))
         live_segments = set(db.scalars(select(SegmentRow.id)))
         live_blobs = set(db.scalars(select(BlobRow.hash)))
     removed_dirs = _remove_dead_dirs(store, live_segments)
-    removed_blobs = _remove_dead_blobs(store, live_blobs)
+    removed_blobs = _remove_dead_blobs(store, live_blobs) if blobs_too else 0
     freed = _free_packed_segments(store, live_segments)
     return {"extents": len(dead_extents), "segments": removed_dirs, "blobs": removed_blobs, "packed_freed": freed}
 

@@ -24,15 +24,25 @@ def pack_session(store, session_id: str, name: str) -> dict[str, int]:
         dtype_size = _itemsize(db.get(SessionRow, session_id).dtype)
     raw_bytes = packed_bytes = 0
     new_rows = []
-    for ref in refs:
-        layers = read_layers(ref, store.home, dtype_size, session=name)
-        packed = blobs.pack(store.blobs_dir, layers, dtype_size)
-        new_rows.append((ref.extent_id, packed))
-        raw_bytes += ref.raw_size * len(layers)
-        packed_bytes += packed.size
-    if new_rows:  # the blobs' names (some perhaps left by an earlier, killed run) and the folder's own
-        io.fsync_dir(store.blobs_dir)
-        io.fsync_dir(store.home)
+    lock = blobs.hold(store.home, shared=True)  # no gc deletes a blob between its write and our commit
+    try:
+        for ref in refs:
+            layers = read_layers(ref, store.home, dtype_size, session=name)
+            packed = blobs.pack(store.blobs_dir, layers, dtype_size)
+            new_rows.append((ref.extent_id, packed))
+            raw_bytes += ref.raw_size * len(layers)
+            packed_bytes += packed.size
+        if new_rows:  # the blobs' names (some perhaps left by an earlier, killed run) and the folder's own
+            io.fsync_dir(store.blobs_dir)
+            io.fsync_dir(store.home)
+        _commit(store, new_rows)
+    finally:
+        io.unlock(lock)
+    free_packed_segment(store, session_id)
+    return {"extents": len(refs), "raw_bytes": raw_bytes, "packed_bytes": packed_bytes}
+
+
+def _commit(store, new_rows: list) -> None:
     with store.db() as db, db.begin():
         for extent_id, p in new_rows:
             if db.get(BlobRow, p.hash) is None:
@@ -40,8 +50,6 @@ def pack_session(store, session_id: str, name: str) -> dict[str, int]:
                 db.flush()
             if db.get(ExtentBlobRow, extent_id) is None:
                 db.add(ExtentBlobRow(extent_id=extent_id, blob_hash=p.hash))
-    free_packed_segment(store, session_id)
-    return {"extents": len(refs), "raw_bytes": raw_bytes, "packed_bytes": packed_bytes}
 
 
 def free_packed_segment(store, segment_id: str) -> bool:

@@ -27,6 +27,7 @@ from .extents import read_layers, session_extents
 from .fileio import io
 from .index import (CheckpointRow, ExtentRow, MessageRow, ModelRow, SegmentRow, SessionExtentRow, SessionRow,
                     TokenBlockRow, utcnow)
+from .locking import SessionLock
 from .store import check_name, encode_tokens, read_tokens
 
 MAGIC = b"\x89KVS\r\n\x1a\n"
@@ -142,12 +143,15 @@ def import_session(store, path: Path, name: str | None, model) -> str:
                               "the archive's model description was altered")
     session_id = uuid.uuid4().hex
     directory = store.session_dir(session_id)
+    lock = SessionLock(directory, name).acquire()  # gc leaves a folder alone while its writer holds it
     try:
         written = _write_extents(path, plan, data_start, directory)
         _commit(store, plan, name, session_id, written)
     except BaseException:
         _discard(directory)
         raise
+    finally:
+        lock.release()
     return name
 
 

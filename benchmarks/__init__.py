@@ -1,0 +1,1 @@
+"""Reproducible benchmarks of kvstore against its peers (`python -m benchmarks.engine`)."""

@@ -59,6 +59,13 @@ class KVCache:
         # [end, n_kv, hd] -> [1, n_kv, end, hd]
         return buf[:end, 0].transpose(0, 1).unsqueeze(0), buf[:end, 1].transpose(0, 1).unsqueeze(0)
 
+    def write(self, layer: int, pos: int, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`update` with K and V given as cache rows `[T, 2, n_kv_heads, head_dim]`: one copy."""
+        buf = self.layers[layer]
+        end = pos + kv.shape[0]
+        buf[pos:end].copy_(kv)
+        return buf[:end, 0].transpose(0, 1).unsqueeze(0), buf[:end, 1].transpose(0, 1).unsqueeze(0)
+
     def advance(self, end: int) -> None:
         self.length = end
 

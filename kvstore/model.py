@@ -1,7 +1,8 @@
 """`load_model(spec)`: a ready-to-run Model (config, tokenizer, fingerprint, forward).
 
 `spec` is an alias of a default model (`smollm2`, pulled on first use), a `.gguf` file or a
-Hugging Face folder. Weights load into `dtype` (bfloat16 by default) on `device`.
+Hugging Face folder. Weights load into `dtype` (bfloat16 by default) on `device`. A GGUF file is
+parsed and dequantized once per dtype; later loads read the result from the home (`weight_cache`).
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ from typing import Sequence
 import torch
 
 from . import tokenizer as tok
+from . import weight_cache
 from .cache import KVCache
 from .config import ModelConfig
 from .errors import ModelError, UnsupportedModel
-from .fingerprint import model_fingerprint
+from .fingerprint import file_hash, model_fingerprint
 from .gpt2 import GPT2
 from .llama import Llama
 from .paths import models_dir
@@ -106,6 +108,24 @@ def _naming(path: Path):
 
 
 def _read_gguf(path: Path, dtype: torch.dtype, cache_file: Path):
+    """A GGUF file: parsed and dequantized once, then read from the home's weight cache (see weight_cache)."""
+    source_hash = file_hash(path, cache_file)
+    entry = weight_cache.entry_path(cache_file.parent, path, dtype, source_hash)
+    hit = weight_cache.load(entry, dtype, source_hash)
+    if hit is None:
+        cfg, tokenizer, weights, info = _convert_gguf(path, dtype)
+        weight_cache.save(entry, weights, dtype, source_hash, info)
+    else:
+        weights, info = hit
+        with _naming(path):
+            cfg = ModelConfig.from_dict(info["config"])
+            tokenizer = tok.from_gguf(info["tokenizer"])
+    table = [(name, tuple(shape), kind) for name, shape, kind in info["table"]]
+    return cfg, tokenizer, weights, model_fingerprint(cfg.to_dict(), table, [path], cache_file)
+
+
+def _convert_gguf(path: Path, dtype: torch.dtype):
+    """(config, tokenizer, our tensors, what the weight cache keeps besides the tensors)."""
     reader = open_gguf(path)
     meta = gguf_metadata(reader)
     tensors = gguf_tensors(reader)
@@ -113,8 +133,10 @@ def _read_gguf(path: Path, dtype: torch.dtype, cache_file: Path):
         cfg = ModelConfig.from_gguf(meta, set(tensors))
         tokenizer = tok.from_gguf(meta)
     weights = collect(cfg, GGUF, lambda name, dt: dequantize_gguf(tensors[name], dt), set(tensors), dtype, str(path))
-    table = [(t.name, tuple(int(n) for n in t.shape), t.tensor_type.name) for t in tensors.values()]
-    return cfg, tokenizer, weights, model_fingerprint(cfg.to_dict(), table, [path], cache_file)
+    info = {"config": cfg.to_dict(),
+            "table": [(t.name, [int(n) for n in t.shape], t.tensor_type.name) for t in tensors.values()],
+            "tokenizer": {k: v for k, v in meta.items() if k.startswith("tokenizer.")}}
+    return cfg, tokenizer, weights, info
 
 
 def _read_hf(folder: Path, dtype: torch.dtype, cache_file: Path):

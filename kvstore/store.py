@@ -17,9 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from sqlalchemy import delete, func, select
+from sqlalchemy.exc import DatabaseError, OperationalError
 from sqlalchemy.orm import Session as DB
 
-from .errors import InvalidName, ModelMismatch, SessionExists, SessionNotFound, StoreMissing
+from .errors import CorruptData, InvalidName, ModelMismatch, SessionExists, SessionNotFound, StoreMissing
 from .fileio import io, make_dir
 from .generate import DEFAULT_CHUNK
 from .index import (BlobRow, CheckpointRow, ExtentBlobRow, MessageRow, ModelRow, SegmentRow,
@@ -315,17 +316,37 @@ def open_store(home: str | os.PathLike | None = None, url: str | None = None) ->
     """Open (creating if needed) the store in `home`; its index is `url` or `home/kvstore.db`."""
     root = home_dir(home)
     make_dir(root)
+    sessions = root / "sessions"
+    has_sessions = bool(io.listdir(sessions))
     if url is None:
         db_file = root / "kvstore.db"
-        sessions = root / "sessions"
-        if not io.exists(db_file) and io.listdir(sessions):
+        if not io.exists(db_file) and has_sessions:
             raise StoreMissing(f"{db_file} is missing but {sessions} holds session files; the index was deleted "
                                "or moved. Restore kvstore.db, or move the sessions folder away to start afresh")
         url = f"sqlite:///{db_file}"
     store = Store(root, url)
-    make_dir(root / "sessions")
-    upgrade(store.engine, url)
+    try:
+        if has_sessions and _schema_revision(store.engine) is None:  # never let a gc see an empty index here
+            raise StoreMissing(f"the index of {root} is empty but {sessions} holds session files; kvstore.db was "
+                               "truncated or replaced. Restore it, or move the sessions folder away to start afresh")
+        make_dir(sessions)
+        upgrade(store.engine, url)
+    except DatabaseError as e:
+        store.close()
+        if isinstance(e, OperationalError):  # locked, I/O error, disk full: not damage
+            raise
+        raise CorruptData(f"the index of {root} is damaged ({e.orig}); restore kvstore.db from a backup") from e
+    except BaseException:
+        store.close()
+        raise
     return store
+
+
+def _schema_revision(engine) -> str | None:
+    from alembic.runtime.migration import MigrationContext
+
+    with engine.connect() as conn:
+        return MigrationContext.configure(conn).get_current_revision()
 
 
 def remove_tree(path: Path) -> None:

@@ -34,6 +34,7 @@ MAGIC = b"\x89KVS\r\n\x1a\n"
 VERSION = 1
 HEADER = struct.Struct("<8sIIQQ")  # magic, version, flags, manifest length, manifest xxh3-64
 MAX_MANIFEST = 256 << 20
+MAX_FRAME_RAW = 1 << 30  # one layer of one extent: far above any real one, low enough to allocate
 ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
@@ -282,6 +283,8 @@ def _validate_extents(man, layout, n_cached, data_size, need, is_int) -> None:
              and isinstance(e.get("frames"), list) and len(e["frames"]) == layout["n_layers"],
              f"extent at position {position} malformed")
         raw = e["n_tokens"] * man["token_bytes"]
+        need(raw <= MAX_FRAME_RAW, f"extent at position {position} claims {raw} bytes per layer "
+             f"(at most {MAX_FRAME_RAW} are accepted)")
         for fr in e["frames"]:
             need(isinstance(fr, dict) and is_int(fr.get("offset")) and is_int(fr.get("size"), 1)
                  and fr["offset"] + fr["size"] <= data_size and fr.get("raw_size") == raw

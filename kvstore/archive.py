@@ -36,6 +36,15 @@ HEADER = struct.Struct("<8sIIQQ")  # magic, version, flags, manifest length, man
 MAX_MANIFEST = 256 << 20
 MAX_FRAME_RAW = 1 << 30  # one layer of one extent: far above any real one, low enough to allocate
 ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
+FIELDS = {  # every field a version-1 manifest may hold, by section
+    "": {"format", "version", "session", "model", "token_bytes", "tokens", "messages", "extents", "data_size"},
+    "session": {"name", "seed", "sampler", "chunk_size", "checkpoint_every", "dtype", "kv_layout", "active_call",
+                "n_tokens", "n_cached"},
+    "kv_layout": {"order", "n_layers", "per_token", "dtype"},
+    "model": {"fingerprint", "arch", "config", "source"},
+    "extent": {"start", "n_tokens", "frames"},
+    "frame": {"offset", "size", "raw_size", "xxh3"},
+}
 
 
 # -- export ------------------------------------------------------------------------------------------
@@ -238,6 +247,9 @@ def _validate(man: Any, data_size: int, file: str) -> dict[str, Any]:
     need(isinstance(man, dict) and man.get("format") == "kvstore-archive", "not a kvstore manifest")
     s, m = man.get("session"), man.get("model")
     need(isinstance(s, dict) and isinstance(m, dict), "session or model section missing")
+    unknown = _unknown_fields(man)
+    need(not unknown, f"unknown manifest field(s) {', '.join(unknown[:5])} (an archive names no paths, links "
+         "or files; everything it holds is listed in docs/FORMATS.md)")
     need(s.get("dtype") in ITEMSIZE, f"unknown KV dtype {s.get('dtype')!r}")
     layout = s.get("kv_layout")
     need(isinstance(layout, dict) and layout.get("order") == "token-major" and isinstance(layout.get("per_token"), list)
@@ -263,6 +275,21 @@ def _validate(man: Any, data_size: int, file: str) -> dict[str, Any]:
     _validate_messages(man.get("messages"), n_tokens, need, is_int)
     _validate_extents(man, layout, n_cached, data_size, need, is_int)
     return man
+
+
+def _unknown_fields(man: dict[str, Any]) -> list[str]:
+    """Dotted names of the manifest's fields that version 1 does not define."""
+    def extra(d, section: str, where: str) -> list[str]:
+        return [f"{where}{k}" for k in sorted(map(str, d)) if k not in FIELDS[section]] if isinstance(d, dict) else []
+
+    s = man["session"]
+    out = extra(man, "", "") + extra(s, "session", "session.") + extra(man["model"], "model", "model.")
+    out += extra(s.get("kv_layout"), "kv_layout", "session.kv_layout.")
+    for i, e in enumerate(man.get("extents") if isinstance(man.get("extents"), list) else []):
+        out += extra(e, "extent", f"extents[{i}].")
+        for j, fr in enumerate(e.get("frames") if isinstance(e, dict) and isinstance(e.get("frames"), list) else []):
+            out += extra(fr, "frame", f"extents[{i}].frames[{j}].")
+    return out
 
 
 def _validate_messages(messages, n_tokens, need, is_int) -> None:

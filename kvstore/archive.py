@@ -130,8 +130,9 @@ def read_manifest(path: Path) -> tuple[dict[str, Any], int, int]:
         raise CorruptData(f"{path.name}: the manifest fails its checksum; the archive is damaged")
     try:
         manifest = json.loads(body)
-    except (UnicodeDecodeError, ValueError) as e:
-        raise CorruptData(f"{path.name}: the manifest is not valid JSON ({e})") from e
+        json.dumps(manifest, ensure_ascii=False).encode()  # JSON escapes can spell lone surrogates
+    except (UnicodeError, ValueError, RecursionError) as e:
+        raise CorruptData(f"{path.name}: the manifest is not valid JSON text ({e})") from e
     return manifest, HEADER.size + length, size - HEADER.size - length
 
 

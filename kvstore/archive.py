@@ -22,12 +22,13 @@ import xxhash
 from sqlalchemy import select
 
 from . import codec, segments
-from .errors import CorruptData, ModelMismatch, SessionExists, UnsupportedFormat
+from .errors import CorruptData, KvstoreError, ModelMismatch, SessionExists, UnsupportedFormat
 from .extents import read_layers, session_extents
 from .fileio import io
 from .index import (CheckpointRow, ExtentRow, MessageRow, ModelRow, SegmentRow, SessionExtentRow, SessionRow,
                     TokenBlockRow, utcnow)
 from .locking import SessionLock
+from .sampling import SamplerSettings
 from .store import check_name, encode_tokens, read_tokens
 
 MAGIC = b"\x89KVS\r\n\x1a\n"
@@ -272,8 +273,12 @@ def _validate(man: Any, data_size: int, file: str) -> dict[str, Any]:
          and is_int(s.get("checkpoint_every"), 1, 1 << 20) and isinstance(s.get("sampler"), dict),
          "bad session settings")
     need(isinstance(s.get("name"), str), "session name missing")
-    need(s.get("active_call") is None or isinstance(s["active_call"], dict), "bad active call")
+    try:
+        SamplerSettings.from_dict(s["sampler"])
+    except (KvstoreError, TypeError, ValueError) as e:
+        need(False, f"bad sampler settings ({e})")
     _validate_messages(man.get("messages"), n_tokens, need, is_int)
+    _validate_call(s.get("active_call"), n_tokens, man["messages"], need, is_int)
     _validate_extents(man, layout, n_cached, data_size, need, is_int)
     return man
 
@@ -300,6 +305,21 @@ def _validate_messages(messages, n_tokens, need, is_int) -> None:
              and msg["ordinal"] == i and isinstance(msg["role"], str) and len(msg["role"]) <= 32
              and isinstance(msg["text"], str) and is_int(msg["token_start"]) and is_int(msg["token_end"])
              and msg["token_start"] <= msg["token_end"] <= n_tokens, f"bad message {i}")
+
+
+def _validate_call(call, n_tokens, messages, need, is_int) -> None:
+    """A generation in progress, as Session records it: resuming it must be possible."""
+    if call is None:
+        return
+    need(isinstance(call, dict) and set(call) <= {"kind", "start", "max_new_tokens", "stop", "stop_at_eos", "message"}
+         and call.get("kind") in ("raw", "chat") and is_int(call.get("start"), 0, n_tokens)
+         and is_int(call.get("max_new_tokens"), 0, 1 << 31) and isinstance(call.get("stop", []), list)
+         and all(isinstance(x, str) for x in call.get("stop", [])) and isinstance(call.get("stop_at_eos", True), bool),
+         "bad generation in progress")
+    if call["kind"] == "chat":
+        i = call.get("message")
+        need(is_int(i, 0, len(messages) - 1) and i == len(messages) - 1 and messages[i]["role"] == "assistant"
+             and messages[i]["token_start"] == call["start"], "bad generation in progress (its reply message)")
 
 
 def _validate_extents(man, layout, n_cached, data_size, need, is_int) -> None:

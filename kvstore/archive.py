@@ -252,7 +252,7 @@ def _validate(man: Any, data_size: int, file: str) -> dict[str, Any]:
     unknown = _unknown_fields(man)
     need(not unknown, f"unknown manifest field(s) {', '.join(unknown[:5])} (an archive names no paths, links "
          "or files; everything it holds is listed in docs/FORMATS.md)")
-    need(s.get("dtype") in ITEMSIZE, f"unknown KV dtype {s.get('dtype')!r}")
+    need(isinstance(s.get("dtype"), str) and s["dtype"] in ITEMSIZE, f"unknown KV dtype {s.get('dtype')!r}")
     layout = s.get("kv_layout")
     need(isinstance(layout, dict) and layout.get("order") == "token-major" and isinstance(layout.get("per_token"), list)
          and len(layout["per_token"]) == 3 and all(is_int(v, 1, 1 << 16) for v in layout["per_token"])

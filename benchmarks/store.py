@@ -1,41 +1,34 @@
-"""Persistence costs and gains of kvstore sessions, measured side by side on SmolLM2 (bfloat16).
+"""kvstore's own persistence costs and gains on SmolLM2 (bfloat16), for `python -m benchmarks run`.
 
-    python -m benchmarks.store            # 1k, 2k, 4k and 8k tokens (a few minutes)
-    python -m benchmarks.store --quick    # 1k and 2k tokens, fewer repetitions (CI)
-
-- time to first new token: resume (`store.open` + first token) vs recompute (prefill the same
-  tokens from scratch + first token), alternating, per session length; the restore alone, with the
-  page cache warm and with the session's files evicted from it (cold);
-- decode with a checkpoint every 16 tokens vs none: the overhead in percent;
-- pack: packed bytes vs raw bytes, and restore throughput from packed blobs;
-- fork of the longest session: time and new bytes on disk.
+- time to the first new token: resume (`store.open` + one token) vs recompute (prefill the same
+  tokens from scratch + one token), alternating, per session length; the restore alone with the
+  page cache warm and with the session's files evicted from it (cold); disk bytes per length;
+- save and restore of a whole session: the checkpoints a prefill commits (summed), `store.open`,
+  `store.pack` and an open from the packed blobs — as one step of an A B A B rotation with peers;
+- decode with a checkpoint every k tokens vs none;
+- forks: time and bytes on disk for 1..N forks of one session, then after each decodes a little.
 The text is Python's own standard-library source, so the KV is real KV of real text.
-Figures land in benchmarks/out/store.json and store.md (and are printed).
+
+    python -m benchmarks.store [--quick]     # these measurements only (no peers)
 """
 
 from __future__ import annotations
 
-import argparse
 import inspect
-import json
 import os
 import statistics
-import tempfile
 import time
 from pathlib import Path
+from typing import Iterable
 
-import torch
-
-OUT = Path(__file__).resolve().parent / "out"
-TARGETS = {"resume_speedup_2k": 40.0, "resume_speedup_8k": 80.0, "restore_2k_ms": 39.0,
-           "checkpoint16_overhead_pct": 3.0, "packed_ratio": 0.70, "unpack_gbps": 1.0}
+SAVE_DIR = "peer-files"
 
 
 def corpus_ids(tokenizer, n: int) -> list[int]:
     """n token ids of real text: the source of some standard-library modules."""
-    import collections, argparse as ap, json as js, pathlib, textwrap, typing  # noqa: E401
+    import argparse, collections, json, pathlib, textwrap, typing  # noqa: E401
 
-    text = "\n".join(inspect.getsource(m) for m in (collections, ap, js, pathlib, textwrap, typing))
+    text = "\n".join(inspect.getsource(m) for m in (collections, argparse, json, pathlib, textwrap, typing))
     ids = tokenizer.encode(text)
     assert len(ids) >= n, "not enough corpus text"
     return ids[:n]
@@ -45,9 +38,9 @@ def spread(xs: list[float]) -> dict[str, float]:
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
 
 
-def evict(directory: Path) -> None:
-    """Drop a session's (clean, fsynced) file pages from the page cache."""
-    for p in directory.glob("layer-*.kv"):
+def evict(paths: Iterable[Path]) -> None:
+    """Drop (clean, fsynced) files' pages from the page cache, so the next read comes from disk."""
+    for p in paths:
         fd = os.open(p, os.O_RDONLY)
         try:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
@@ -55,6 +48,53 @@ def evict(directory: Path) -> None:
             os.close(fd)
 
 
+def disk_bytes(path: Path) -> int:
+    """Bytes allocated on disk under a folder (or by one file)."""
+    files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
+    return sum(p.stat().st_blocks * 512 for p in files)
+
+
+def kv_bytes(model, n: int) -> int:
+    c = model.config
+    return n * c.n_layers * 2 * c.n_kv_heads * c.head_dim * 2  # bf16: 2 bytes per element
+
+
+def store_files(store) -> list[Path]:
+    """Every KV file of the store (layer files and packed blobs): what a cold restore must read."""
+    home = Path(store.home)
+    return [*(home / "sessions").rglob("layer-*.kv"), *(p for p in (home / "blobs").glob("*") if p.is_file())]
+
+
+def build_session(store, model, name: str, ids: list[int]) -> float:
+    """Create `name` holding ids (prefilled); returns the seconds its checkpoints took, summed."""
+    spent = [0.0]
+    session = store.new(name, model)
+    commit = session.checkpoint
+
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return commit(*args, **kwargs)
+        finally:
+            spent[0] += time.perf_counter() - start
+
+    session.checkpoint = timed  # the prefill's per-chunk commits, counted where they happen
+    try:
+        session.append_tokens(ids)
+    finally:
+        session.close()
+    return spent[0]
+
+
+def timed_open(store, model, name: str) -> float:
+    start = time.perf_counter()
+    session = store.open(name, model)
+    elapsed = time.perf_counter() - start
+    session.close()
+    return elapsed
+
+
+# -- time to first token ---------------------------------------------------------------------------
 def first_token_recompute(model, ids: list[int]) -> float:
     import kvstore
 
@@ -71,7 +111,7 @@ def first_token_resume(store, model, name: str, cold: bool) -> tuple[float, floa
     fork = f"{name}-r{time.monotonic_ns()}"
     store.fork(name, fork)
     if cold:
-        evict(store.session_dir(store.info(name).id))
+        evict(store_files(store))
     start = time.perf_counter()
     session = store.open(fork, model)
     restored = time.perf_counter() - start
@@ -84,13 +124,13 @@ def first_token_resume(store, model, name: str, cold: bool) -> tuple[float, floa
     return restored, first
 
 
-def ttft(store, model, lengths: list[int], reps: int) -> dict:
+def ttft(store, model, lengths: list[int], reps: int, log=print) -> dict:
+    """Per length: recompute vs resume (+ first token), restore warm/cold, disk bytes."""
     results = {}
     for n in lengths:
         ids = corpus_ids(model.tokenizer, n)
         name = f"doc{n}"
-        with store.new(name, model) as s:
-            s.append_tokens(ids)
+        build_session(store, model, name, ids)
         rec, res, restore, cold = [], [], [], []
         for _ in range(reps):  # alternate: recompute, resume, resume (cold), recompute, ...
             rec.append(first_token_recompute(model, ids))
@@ -98,132 +138,158 @@ def ttft(store, model, lengths: list[int], reps: int) -> dict:
             restore.append(r)
             res.append(f)
             cold.append(first_token_resume(store, model, name, cold=True)[0])
-        results[n] = {"recompute_s": spread(rec), "resume_s": spread(res), "restore_s": spread(restore),
-                      "restore_cold_s": spread(cold),
-                      "speedup": statistics.median(rec) / statistics.median(res),
-                      "kv_bytes": n * model.config.n_layers * 2 * model.config.n_kv_heads * model.config.head_dim * 2}
-        print(f"  {n:>5} tokens: recompute {statistics.median(rec):.3f}s  resume {statistics.median(res) * 1e3:.1f}ms"
-              f"  restore {statistics.median(restore) * 1e3:.1f}ms (cold {statistics.median(cold) * 1e3:.1f}ms)"
-              f"  speedup {results[n]['speedup']:.0f}x", flush=True)
+        results[str(n)] = {"tokens": n, "recompute_s": spread(rec), "resume_s": spread(res),
+                           "restore_s": spread(restore), "restore_cold_s": spread(cold),
+                           "speedup": statistics.median(rec) / statistics.median(res),
+                           "speedups": spread([a / b for a, b in zip(rec, res)]),
+                           "kv_bytes": kv_bytes(model, n), "disk_bytes": store.info(name).disk_bytes}
+        log(f"  {n:>5} tokens: recompute {statistics.median(rec):.3f} s, resume {statistics.median(res) * 1e3:.1f} ms, "
+            f"restore {statistics.median(restore) * 1e3:.1f} ms (cold {statistics.median(cold) * 1e3:.1f} ms), "
+            f"{results[str(n)]['speedup']:.0f}x")
     return results
 
 
-def checkpoint_overhead(store, model, reps: int, n_new: int) -> dict:
-    ids = corpus_ids(model.tokenizer, 1024)
-    rates = {16: [], 0: []}
-    for i in range(reps):
-        for every in (16, 0) if i % 2 == 0 else (0, 16):
-            name = f"ck{every}-{i}"
-            with store.new(name, model, checkpoint_every=every or 10 ** 9) as s:
-                s.append_tokens(ids)
-                start = time.perf_counter()
-                for _ in s.generate(n_new, stop_at_eos=False):
-                    pass
-                rates[every].append(n_new / (time.perf_counter() - start))
-            store.delete(name)
-    with_ck, without = statistics.median(rates[16]), statistics.median(rates[0])
-    return {"tok_s_every16": spread(rates[16]), "tok_s_none": spread(rates[0]),
-            "overhead_pct": 100 * (without - with_ck) / without}
+# -- save and restore, one step of the rotation with the peers ---------------------------------------
+class KvstoreSaveRestore:
+    """One repetition: build a session (its checkpoints are the save), open it (restore), pack it,
+    open it from the blobs (unpack), each restore warm and then cold; then delete it."""
 
+    methods = ("kvstore checkpoint / open", "kvstore pack / unpack")
 
-def pack_figures(store, model, n: int, reps: int) -> dict:
-    name = f"doc{n}"
-    if name not in store.names():
-        with store.new(name, model) as s:
-            s.append_tokens(corpus_ids(model.tokenizer, n))
-    store.fork(name, "packed")
-    stats = store.pack("packed")
-    times = []
-    for _ in range(reps):
+    def __init__(self, store, model):
+        self.store, self.model = store, model
+
+    def run(self, ids: list[int]) -> dict[str, dict[str, float]]:
+        store, name = self.store, f"save{len(ids)}-{time.monotonic_ns()}"
+        out = {m: {} for m in self.methods}
+        raw = out["kvstore checkpoint / open"]
+        raw["save_s"] = build_session(store, self.model, name, ids)
+        raw["bytes"] = store.info(name).disk_bytes
+        raw["restore_s"] = timed_open(store, self.model, name)
+        evict(store_files(store))
+        raw["restore_cold_s"] = timed_open(store, self.model, name)
+        packed = out["kvstore pack / unpack"]
         start = time.perf_counter()
-        store.open("packed", model).lock.release()
-        times.append(time.perf_counter() - start)
-    return {"raw_bytes": stats["raw_bytes"], "packed_bytes": stats["packed_bytes"],
-            "ratio": stats["packed_bytes"] / stats["raw_bytes"], "restore_s": spread(times),
-            "unpack_gbps": stats["raw_bytes"] / statistics.median(times) / 1e9}
+        stats = store.pack(name)
+        packed["save_s"] = time.perf_counter() - start
+        packed["bytes"] = store.info(name).disk_bytes
+        packed["ratio"] = stats["packed_bytes"] / stats["raw_bytes"]
+        packed["restore_s"] = timed_open(store, self.model, name)
+        evict(store_files(store))
+        packed["restore_cold_s"] = timed_open(store, self.model, name)
+        store.delete(name)
+        return out
 
 
-def disk_bytes(home: Path) -> int:
-    return sum(p.stat().st_blocks * 512 for p in home.rglob("*") if p.is_file())
+def save_restore(store, model, peers: list, lengths: list[int], reps: int, workdir: Path, log=print) -> dict:
+    """Per length, kvstore and each peer's save / restore (warm, cold) / bytes, in A B A B order.
+
+    A peer has `name`, `prepare(ids)` (its own prefill, untimed), `save(path) -> seconds` (fsync
+    included, as kvstore's checkpoints are durable) and `restore(path) -> seconds`."""
+    ours = KvstoreSaveRestore(store, model)
+    results: dict[str, dict] = {}
+    for n in lengths:
+        ids = corpus_ids(model.tokenizer, n)
+        for peer in peers:
+            peer.prepare(ids)
+        runs: dict[str, dict[str, list[float]]] = {}
+        units = [ours, *peers]
+        for rep in range(reps):
+            for unit in units if rep % 2 == 0 else units[::-1]:
+                for method, figures in one_step(unit, ids, workdir).items():
+                    for key, value in figures.items():
+                        runs.setdefault(method, {}).setdefault(key, []).append(value)
+        for peer in peers:
+            peer.release()
+        results[str(n)] = {m: {k: spread(v) for k, v in figs.items()} for m, figs in runs.items()}
+        for method, figs in results[str(n)].items():
+            log(f"  {n:>5} tokens, {method}: save {figs['save_s']['median'] * 1e3:.1f} ms, restore "
+                f"{figs['restore_s']['median'] * 1e3:.1f} ms (cold {figs['restore_cold_s']['median'] * 1e3:.1f} ms), "
+                f"{figs['bytes']['median'] / 1e6:.1f} MB")
+    return results
 
 
-def fork_figures(store, model, n: int) -> dict:
-    name = f"doc{n}"
-    before = disk_bytes(store.home)
-    start = time.perf_counter()
-    store.fork(name, "forked")
-    elapsed = time.perf_counter() - start
-    return {"tokens": n, "fork_ms": elapsed * 1e3, "new_bytes": disk_bytes(store.home) - before}
+def one_step(unit, ids: list[int], workdir: Path) -> dict[str, dict[str, float]]:
+    if isinstance(unit, KvstoreSaveRestore):
+        return unit.run(ids)
+    path = workdir / SAVE_DIR / f"{unit.key}-{len(ids)}"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figures = {"save_s": unit.save(path), "bytes": disk_bytes(path)}
+    figures["restore_s"] = unit.restore(path)
+    evict([path])
+    figures["restore_cold_s"] = unit.restore(path)
+    path.unlink()
+    return {unit.name: figures}
 
 
-def markdown(report: dict) -> str:
-    lines = ["| tokens | recompute + 1st token | resume + 1st token | restore (warm / cold) | speedup |",
-             "|---:|---:|---:|---:|---:|"]
-    for n, r in report["ttft"].items():
-        lines.append(f"| {n} | {r['recompute_s']['median']:.3f} s ({r['recompute_s']['min']:.3f}–"
-                     f"{r['recompute_s']['max']:.3f}) | {r['resume_s']['median'] * 1e3:.1f} ms "
-                     f"({r['resume_s']['min'] * 1e3:.1f}–{r['resume_s']['max'] * 1e3:.1f}) | "
-                     f"{r['restore_s']['median'] * 1e3:.1f} / {r['restore_cold_s']['median'] * 1e3:.1f} ms | "
-                     f"{r['speedup']:.0f}× |")
-    ck, pk, fk = report["checkpoint"], report["pack"], report["fork"]
-    lines += ["", "| measure | figure | target | met |", "|---|---:|---:|:---:|"]
-    for key, label, value, fmt, better in report["checks"]:
-        lines.append(f"| {label} | {fmt.format(value)} | {fmt.format(TARGETS[key])} | "
-                     f"{'yes' if (value >= TARGETS[key]) == (better == 'higher') else 'no'} |")
-    lines += ["", f"Decode with a checkpoint every 16 tokens: {ck['tok_s_every16']['median']:.1f} tok/s, "
-              f"without: {ck['tok_s_none']['median']:.1f} tok/s.",
-              f"Pack of {pk['raw_bytes'] / 1e6:.1f} MB raw KV: {pk['packed_bytes'] / 1e6:.1f} MB; restore from blobs "
-              f"{pk['restore_s']['median'] * 1e3:.0f} ms ({pk['unpack_gbps']:.2f} GB/s).",
-              f"Fork of a {fk['tokens']}-token session: {fk['fork_ms']:.1f} ms, {fk['new_bytes'] / 1e3:.0f} kB new on disk."]
-    return "\n".join(lines)
+# -- checkpoint overhead during decode ---------------------------------------------------------------
+def decode_rate(store, model, parent: str, n_new: int) -> float:
+    """tok/s from the first new token to the last, in a fresh fork of `parent` (which sets the
+    checkpoint interval)."""
+    name = f"{parent}-{time.monotonic_ns()}"
+    store.fork(parent, name)
+    with store.open(name, model) as session:
+        stamps = []
+        for _ in session.generate(n_new, stop_at_eos=False):
+            stamps.append(time.perf_counter())
+    store.delete(name)
+    return (len(stamps) - 1) / (stamps[-1] - stamps[0])
 
 
-def checks(report: dict) -> list:
-    out = []
-    t = report["ttft"]
-    if 2048 in t:
-        out.append(("resume_speedup_2k", "resume speedup at 2k tokens", t[2048]["speedup"], "{:.0f}×", "higher"))
-        out.append(("restore_2k_ms", "restore of 2k tokens (warm)", t[2048]["restore_s"]["median"] * 1e3,
-                    "{:.1f} ms", "lower"))
-    if 8192 in t:
-        out.append(("resume_speedup_8k", "resume speedup at 8k tokens", t[8192]["speedup"], "{:.0f}×", "higher"))
-    out.append(("checkpoint16_overhead_pct", "checkpoint-every-16 overhead", report["checkpoint"]["overhead_pct"],
-                "{:.1f} %", "lower"))
-    out.append(("packed_ratio", "packed / raw bytes", report["pack"]["ratio"], "{:.2f}", "lower"))
-    out.append(("unpack_gbps", "restore from blobs", report["pack"]["unpack_gbps"], "{:.2f} GB/s", "higher"))
+def checkpoint_overhead(store, model, intervals: list[int], reps: int, n_new: int, prompt: int, log=print) -> dict:
+    """Decode tok/s per checkpoint interval (0: none), configurations rotated each repetition; each
+    run decodes in a fork of one prefilled session per interval."""
+    ids = corpus_ids(model.tokenizer, prompt)
+    configs = [0, *intervals]
+    for every in configs:
+        with store.new(f"ck{every}", model, checkpoint_every=every or 10 ** 9) as session:
+            session.append_tokens(ids)
+    rates: dict[int, list[float]] = {k: [] for k in configs}
+    for rep in range(reps):
+        shift = rep % len(configs)
+        for every in configs[shift:] + configs[:shift]:
+            rates[every].append(decode_rate(store, model, f"ck{every}", n_new))
+    base = statistics.median(rates[0])
+    out = {"new_tokens": n_new, "prompt_tokens": len(ids), "none": spread(rates[0]), "every": {}}
+    for every in intervals:
+        rate = statistics.median(rates[every])
+        paired = [100 * (a - b) / a for a, b in zip(rates[0], rates[every])]  # the same repetition
+        out["every"][str(every)] = {"tok_s": spread(rates[every]), "overhead_pct": 100 * (base - rate) / base,
+                                    "overhead_pct_paired": spread(paired),
+                                    "ms_per_checkpoint": 1e3 * every * (1 / rate - 1 / base)}
+        log(f"  checkpoint every {every:>2}: {rate:.1f} tok/s vs {base:.1f} without, "
+            f"{out['every'][str(every)]['overhead_pct']:+.1f} %")
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.store", description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="1k and 2k tokens, 2 repetitions (CI)")
-    p.add_argument("--reps", type=int)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--model", default="smollm2")
-    p.add_argument("--out", type=Path, default=OUT)
-    args = p.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    reps = args.reps or (2 if args.quick else 3)
-    lengths = [1024, 2048] if args.quick else [1024, 2048, 4096, 8191]
-    import kvstore
+# -- forks --------------------------------------------------------------------------------------------
+def fork_growth(store, model, name: str, count: int, n_new: int) -> dict:
+    """Fork `name` 1..count times (time per fork, bytes after each), then let each fork decode
+    n_new tokens (bytes after each: what a fork that diverges adds)."""
+    home = Path(store.home)
+    base = disk_bytes(home)
+    times, after_fork, after_decode = [], [], []
+    for i in range(count):
+        start = time.perf_counter()
+        store.fork(name, f"{name}-f{i}")
+        times.append(time.perf_counter() - start)
+        after_fork.append(disk_bytes(home) - base)
+    for i in range(count):
+        with store.open(f"{name}-f{i}", model) as session:
+            for _ in session.generate(n_new, stop_at_eos=False):
+                pass
+        after_decode.append(disk_bytes(home) - base)
+    return {"tokens": len(store.tokens(name)), "new_tokens_per_fork": n_new, "fork_s": times,
+            "fork_s_stats": spread(times), "bytes_after_forks": after_fork, "bytes_after_decode": after_decode}
 
-    model = kvstore.load_model(args.model, dtype="bfloat16")
-    with tempfile.TemporaryDirectory(prefix="kvstore-bench-") as home:
-        store = kvstore.open_store(home)
-        print("time to first token (resume vs recompute):", flush=True)
-        report = {"threads": args.threads, "dtype": "bfloat16", "model": Path(model.source).name,
-                  "ttft": {8192 if n == 8191 else n: v for n, v in ttft(store, model, lengths, reps).items()}}
-        report["checkpoint"] = checkpoint_overhead(store, model, max(reps, 2) * 2, 32 if args.quick else 96)
-        report["pack"] = pack_figures(store, model, 2048, reps)
-        report["fork"] = fork_figures(store, model, lengths[-1])
-    report["checks"] = checks(report)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "store.json").write_text(json.dumps(report, indent=2))
-    table = markdown(report)
-    (args.out / "store.md").write_text(table + "\n")
-    print(table)
-    return 0
+
+def main(argv: list[str] | None = None) -> int:
+    from .__main__ import main as bench_main
+
+    return bench_main(["run", "--no-peers", *(argv or [])])
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    import sys
+
+    raise SystemExit(main(sys.argv[1:]))

@@ -1,0 +1,96 @@
+"""The benchmark report builder, on made-up figures: the targets are judged right, every section
+renders, the README's section is replaced and nothing else, and the plots are written. No timing."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks import report
+
+
+def s(median: float, lo: float | None = None, hi: float | None = None) -> dict:
+    return {"median": median, "min": median * 0.9 if lo is None else lo, "max": median * 1.1 if hi is None else hi, "n": 3}
+
+
+def fake(speedup_8k: float = 120.0, llama: bool = True) -> dict:
+    ttft = {str(n): {"tokens": n, "recompute_s": s(n / 2000), "resume_s": s(0.02 + n / 1e6), "restore_s": s(0.004 * n / 512),
+                     "restore_cold_s": s(0.006 * n / 512), "speedup": sp, "speedups": s(sp), "kv_bytes": n * 23040,
+                     "disk_bytes": (n - 1) * 23040}
+            for n, sp in ((512, 10.0), (2048, 45.0), (8191, speedup_8k))}
+    method = {"save_s": s(0.05), "restore_s": s(0.03), "restore_cold_s": s(0.05), "bytes": s(47e6)}
+    save = {"kvstore checkpoint / open": method, "kvstore pack / unpack": method | {"ratio": s(0.66)},
+            "HF DynamicCache, torch.save / torch.load": method}
+    if llama:
+        save["llama.cpp state file (seq save / load)"] = method | {"restore_s": s(0.04)}
+    engines = {"kvstore": {"decode_tok_s": s(40), "decode_steady_tok_s": s(42), "prefill_s": s(0.8), "load_s": 3.0},
+               "hf": {"decode_tok_s": s(16), "decode_steady_tok_s": s(17), "prefill_s": s(1.0), "load_s": 15.0}}
+    return {
+        "quick": False, "started": "2026-11-30 12:00", "duration_s": 600.0,
+        "settings": {"threads": 2, "dtype": "bfloat16", "kv_bytes_per_token": 23040},
+        "machine": {"cpu": "Some CPU", "cores": 2, "ram_bytes": 24 * 2 ** 30, "os": "Linux", "arch": "x86_64", "amx_bf16": True},
+        "versions": {"python": "3.11", "torch": "2.13", "transformers": "5.24", "llama-cpp-python": "0.3.36" if llama else None,
+                     "kvstore": "abc1234"},
+        "peers": {"hf": "", "llama.cpp": "" if llama else "llama-cpp-python is not installed"},
+        "load": {"start": [0.5, 0.5, 0.5], "end": [0.7, 0.6, 0.5]},
+        "engine": {"decode_prompt": 1024, "decode_new": 64, "prefill_tokens": 2048, "chunk": 512, "others_busy_cpus": [0.0],
+                   "engines": engines, "greedy_equal_prefix": {"hf": 12},
+                   "ratios": {"hf": {"decode": s(2.5), "decode_steady": s(2.4), "prefill": s(1.25)}}},
+        "ttft": ttft, "save_restore": {"2048": save},
+        "checkpoint": {"new_tokens": 129, "prompt_tokens": 1024, "none": s(40),
+                       "every": {str(k): {"tok_s": s(40 - 4 / k), "overhead_pct": 10 / k, "overhead_pct_paired": s(10 / k),
+                                          "ms_per_checkpoint": 2.0} for k in (1, 4, 16, 64)}},
+        "forks": {"tokens": 8191, "new_tokens_per_fork": 16, "fork_s": [0.004] * 3, "fork_s_stats": s(0.004),
+                  "bytes_after_forks": [4096, 8192, 12288], "bytes_after_decode": [4e5, 8e5, 1.2e6]},
+    }
+
+
+def verdicts(results: dict) -> dict[str, bool | None]:
+    return {t["goal"]: t["met"] for t in report.targets(results)}
+
+
+def test_targets_are_judged_against_their_goals():
+    v = verdicts(fake(speedup_8k=60.0))
+    assert v["decode speed vs HF transformers `generate`"] is True  # 2.5x >= 2x
+    assert v["resume vs recompute, time to first token at 2,048 tokens"] is True  # 45x >= 40x
+    assert v["resume vs recompute, time to first token at 8,191 tokens"] is False  # 60x < 80x
+    assert v["restore of a 2,048-token session (warm page cache)"] is True  # 30 ms <= llama.cpp's 40 ms
+    assert v["decode overhead of a checkpoint every 16 tokens"] is True  # 0.6 % <= 3 %
+    assert v["packed size / raw bf16 KV (2,048 tokens)"] is True  # 0.66 <= 0.70
+
+
+def test_missing_figures_are_not_measured_and_llama_falls_back_to_the_earlier_figure():
+    r = fake(llama=False)
+    del r["ttft"]["8191"]
+    r["engine"]["ratios"] = {}
+    rows = {t["goal"]: t for t in report.targets(r)}
+    assert rows["resume vs recompute, time to first token at 8,191 tokens"]["met"] is None
+    assert rows["decode speed vs HF transformers `generate`"]["figure"] == "not measured"
+    assert f"{report.LLAMA_RESTORE_EARLIER_MS:.1f} ms" in rows["restore of a 2,048-token session (warm page cache)"]["target"]
+    text = report.markdown(r)
+    assert "## Not measured" in text and "llama-cpp-python is not installed" in text
+
+
+def test_report_has_every_section_and_no_local_paths():
+    text = report.markdown(fake())
+    for heading in ("## Summary", "## Machine and versions", "## Time to first token", "## Engine speed",
+                    "## Save and restore", "## Checkpoint overhead", "## How costs grow"):
+        assert heading in text
+    assert "45× (40–50)" in text  # a figure with its spread
+    assert "/tmp" not in text and "/work" not in text
+
+
+def test_readme_section_is_replaced_and_the_rest_kept(tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text("# x\n\n## Benchmarks\n\nold draft\n\n## CLI reference\n\nkept\n", encoding="utf-8")
+    report.update_readme(readme, fake())
+    text = readme.read_text(encoding="utf-8")
+    assert "old draft" not in text and "| goal |" in text
+    assert text.startswith("# x\n\n## Benchmarks\n\n") and text.endswith("## CLI reference\n\nkept\n")
+
+
+def test_write_makes_the_report_and_its_plots(tmp_path):
+    pytest.importorskip("matplotlib")
+    path = report.write(fake(), tmp_path)
+    assert path.read_text(encoding="utf-8").startswith("# Benchmark report")
+    for name in ("ttft", "engine", "save_restore", "checkpoint", "growth"):
+        assert (tmp_path / "plots" / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

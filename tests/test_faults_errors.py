@@ -1,0 +1,126 @@
+"""ENOSPC and EIO at every file operation of a checkpoint (of an existing session, and the first of
+a new one, which creates its files): a clear error (StoreFull for a full disk), the process alive,
+the head unchanged, nothing left behind, and the next checkpoint succeeds once the disk is back —
+durably: a power loss right after it keeps it. A failed fsync is never retried on the same data
+(tests/faults.py drops the data of a failed fsync, as Linux does), so only a rewrite passes."""
+
+from __future__ import annotations
+
+import errno
+
+import pytest
+import torch
+from sqlalchemy import select
+
+import kvstore
+import test_faults_kit as torture
+from faults import SPACE, FaultyIO
+from kvstore import fileio
+from kvstore.errors import StoreFull
+from kvstore.index import SegmentRow, SessionRow
+from test_faults_kit import N_MORE, SETTINGS, Kit
+
+
+@pytest.fixture(scope="module")
+def kit(tmp_path_factory, tiny):
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield Kit(tmp_path_factory, str(tiny("llama-gqa").folder))
+    torch.set_num_threads(before)
+
+
+def start(kit, root, first: bool):
+    """A session with N_MORE new tokens computed but not checkpointed, under a FaultyIO; returns
+    (store, session, layer, operations so far, committed token count)."""
+    fs = FaultyIO()
+    with fileio.use(fs):
+        if first:  # a new session whose first checkpoint creates its files
+            store = kvstore.open_store(root / "home")
+            s = store.new("s", kit.model, **SETTINGS)
+            s.seq.add(kit.model.tokenizer.encode(torture.DOCUMENT))
+            list(s.seq.prefill())
+        else:
+            torture.copy_template(kit.template("checkpoint")[0], root)
+            store = kvstore.open_store(root / "home")
+            s = store.open("s", kit.model)
+            list(s.seq.generate(s.settings, seed=s.seed, max_new_tokens=N_MORE))
+    return store, s, fs, len(fs.log), store.info("s").n_tokens
+
+
+def checkpoint_ops(kit, tmp_path, first: bool) -> list[tuple[str, str]]:
+    store, s, fs, base, _ = start(kit, tmp_path / "dry", first)
+    with fileio.use(fs):
+        assert s.checkpoint()
+        s.close()
+    store.close()
+    return fs.log[base:-1]  # the last is close()'s unlock
+
+
+def head(store) -> tuple[int, int]:
+    with store.db() as db:
+        row = db.scalar(select(SessionRow).where(SessionRow.name == "s"))
+        return row.head, db.get(SegmentRow, row.id).committed_end
+
+
+def leftovers(store, committed_end: int) -> list[str]:
+    """Temp files, and layer bytes past the committed end (space a failed write reserved)."""
+    out = [str(p.relative_to(store.home)) for p in store.home.rglob("*.tmp")]
+    out += [f"{p.name}: {p.stat().st_size} bytes" for p in store.sessions_dir.rglob("layer-*.kv")
+            if p.stat().st_size > committed_end]
+    return out
+
+
+def fail_then_recover(kit, root, first: bool, index: int, err: int, *, sticky: bool = False) -> None:
+    store, s, fs, base, n_before = start(kit, root, first)
+    before = head(store)
+    fs.fail(base + index, err, sticky=sticky)
+    with fileio.use(fs):
+        for _ in range(2 if sticky else 1):  # a disk that stays full fails every try, cleanly
+            with pytest.raises(StoreFull if err == errno.ENOSPC else OSError) as raised:
+                s.checkpoint()
+            if err == errno.ENOSPC:
+                assert "disk is full" in str(raised.value) and "intact" in str(raised.value)
+            else:
+                assert raised.value.errno == err
+            assert head(store) == before, "a failed checkpoint moved the head"
+            assert leftovers(store, before[1]) == []
+        fs.heal()
+        assert s.checkpoint()  # space is back: the same KV, rewritten from memory
+        acked = len(s.tokens)
+        s.close()
+    assert acked > n_before
+    fs.power_loss(data="drop", dirs="undo")  # everything not made durable is lost
+    store.close()
+    with kvstore.open_store(root / "home") as again:
+        assert again.verify() == {"s": []}
+        assert again.info("s").n_tokens == acked, "the acknowledged checkpoint was lost"
+        with again.open("s", kit.model) as reopened:
+            assert reopened.tokens == kit.ref.tokens[:acked]
+
+
+@pytest.mark.parametrize("first", [False, True], ids=["existing-files", "first-checkpoint"])
+@pytest.mark.parametrize("err", [errno.ENOSPC, errno.EIO], ids=["ENOSPC", "EIO"])
+def test_an_error_at_every_operation_of_a_checkpoint(kit, tmp_path, err, first):
+    ops = checkpoint_ops(kit, tmp_path, first)
+    targets = [i for i, (name, _) in enumerate(ops) if err != errno.ENOSPC or name in SPACE]
+    assert len(targets) >= 6
+    for i in targets:
+        try:
+            fail_then_recover(kit, tmp_path / f"op{i}", first, i, err)
+        except AssertionError as e:
+            raise AssertionError(f"{errno.errorcode[err]} at operation {i} ({ops[i][0]}): {e}") from e
+
+
+@pytest.mark.parametrize("first", [False, True], ids=["existing-files", "first-checkpoint"])
+def test_a_disk_that_stays_full(kit, tmp_path, first):
+    ops = checkpoint_ops(kit, tmp_path, first)
+    first_write = next(i for i, (name, _) in enumerate(ops) if name == "allocate")
+    fail_then_recover(kit, tmp_path / "full", first, first_write, errno.ENOSPC, sticky=True)
+
+
+def test_a_failed_fsync_is_never_retried_on_the_same_data(kit, tmp_path):
+    """The fsyncgate lesson, directly: after an EIO from fsync the layer forgets the pages; a
+    store that retried the fsync (or committed anyway) would lose the checkpoint at power loss."""
+    ops = checkpoint_ops(kit, tmp_path, False)
+    for i in [i for i, (name, _) in enumerate(ops) if name == "fsync"]:
+        fail_then_recover(kit, tmp_path / f"fsync{i}", False, i, errno.EIO)

@@ -18,7 +18,7 @@ import xxhash
 
 from . import codec
 from .errors import CorruptData
-from .fileio import io, write_durable
+from .fileio import io, reraise_full, write_durable
 
 
 @dataclass
@@ -39,6 +39,10 @@ def hold(home: Path, *, shared: bool) -> int | None:
         return io.lock(home / LOCK, shared=shared, wait=shared)
     except BlockingIOError:
         return None
+    except OSError as e:
+        if not shared:  # a gc on a full disk still frees what it can, blobs aside
+            return None
+        reraise_full(e, "locking the blobs for a pack")
 
 
 def blob_path(blobs_dir: Path, digest: str) -> Path:
@@ -63,7 +67,10 @@ def pack(blobs_dir: Path, layers: list[np.ndarray], itemsize: int) -> Packed:
     body = b"".join(frames)
     path = blob_path(blobs_dir, digest)
     if not io.exists(path):
-        io.mkdir(blobs_dir)
+        try:
+            io.mkdir(blobs_dir)
+        except OSError as e:
+            reraise_full(e, f"creating {blobs_dir.name}/")
         write_durable(path, body)
     return Packed(digest, table, len(body), codec.checksum(body))
 

@@ -228,20 +228,20 @@ def write_durable(path: Path, data: bytes) -> None:
     one a crash left behind (a pid in the name cannot: pids are reused, after a reboot above all).
     """
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = io.lock(tmp)
     try:
+        fd = io.lock(tmp)
         try:
             io.truncate(fd, 0)
             io.allocate(fd, 0, len(data))
             io.pwrite(fd, data, 0)
             io.fsync(fd)
-        except OSError as e:
+        finally:
             io.unlock(fd)
-            fd = -1
+        io.rename(tmp, path)
+        io.fsync_dir(path.parent)
+    except OSError as e:
+        try:
             io.unlink(tmp)
-            reraise_full(e, f"writing {path.name}")
-    finally:
-        if fd >= 0:
-            io.unlock(fd)
-    io.rename(tmp, path)
-    io.fsync_dir(path.parent)
+        except OSError:
+            pass
+        reraise_full(e, f"writing {path.name}")

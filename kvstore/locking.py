@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .errors import SessionBusy
-from .fileio import io
+from .fileio import io, reraise_full
 
 
 class SessionLock:
@@ -20,12 +20,14 @@ class SessionLock:
         self.fd: int | None = None
 
     def acquire(self) -> "SessionLock":
-        io.mkdir(self.path.parent)
         try:
+            io.mkdir(self.path.parent)
             self.fd = io.lock(self.path)
         except BlockingIOError:
             raise SessionBusy(f"session {self.name!r} is open for writing in another process; "
                               "close that one first (a killed writer releases it at once)") from None
+        except OSError as e:
+            reraise_full(e, f"locking session {self.name!r}")
         return self
 
     def release(self) -> None:

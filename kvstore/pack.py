@@ -14,7 +14,7 @@ from sqlalchemy import select
 from . import blobs, segments
 from .extents import read_layers, session_extents
 from .index import BlobRow, ExtentBlobRow, ExtentRow, SessionRow
-from .fileio import io
+from .fileio import io, reraise_full
 
 
 def pack_session(store, session_id: str, name: str) -> dict[str, int]:
@@ -33,8 +33,11 @@ def pack_session(store, session_id: str, name: str) -> dict[str, int]:
             raw_bytes += ref.raw_size * len(layers)
             packed_bytes += packed.size
         if new_rows:  # the blobs' names (some perhaps left by an earlier, killed run) and the folder's own
-            io.fsync_dir(store.blobs_dir)
-            io.fsync_dir(store.home)
+            try:
+                io.fsync_dir(store.blobs_dir)
+                io.fsync_dir(store.home)
+            except OSError as e:
+                reraise_full(e, f"packing {name!r}")
         _commit(store, new_rows)
     finally:
         io.unlock(lock)
@@ -60,11 +63,14 @@ def free_packed_segment(store, segment_id: str) -> bool:
     if unpacked is not None:
         return False
     directory = store.session_dir(segment_id)
-    if io.is_dir(directory):
-        for path in io.listdir(directory):
-            if segments.LAYER_FILE.fullmatch(path.name):
-                io.unlink(path)
-        io.fsync_dir(directory)
+    try:
+        if io.is_dir(directory):
+            for path in io.listdir(directory):
+                if segments.LAYER_FILE.fullmatch(path.name):
+                    io.unlink(path)
+            io.fsync_dir(directory)
+    except OSError:  # the extents are packed and committed: what is left, the next gc frees
+        return False
     return True
 
 

@@ -124,3 +124,48 @@ def test_a_failed_fsync_is_never_retried_on_the_same_data(kit, tmp_path):
     ops = checkpoint_ops(kit, tmp_path, False)
     for i in [i for i, (name, _) in enumerate(ops) if name == "fsync"]:
         fail_then_recover(kit, tmp_path / f"fsync{i}", False, i, errno.EIO)
+
+
+# -- a full disk during the other writing verbs ---------------------------------------------------------
+def verb_ops(kit, verb: str) -> list[tuple[str, str]]:
+    return kit.ops(verb)[0]
+
+
+def enospc_during(kit, tmp_path, verb: str, every: bool) -> None:
+    """StoreFull, nothing half-committed, no temp files; once space is back the verb succeeds."""
+    ops = verb_ops(kit, verb)
+    template, floors = kit.template(verb)
+    targets = [i for i, (name, _) in enumerate(ops) if name in SPACE]
+    for i in targets if every else targets[:: max(1, len(targets) // 12)]:
+        root = tmp_path / f"op{i}"
+        fs = FaultyIO()
+        store, action, base = torture.start_verb(torture.copy_template(template, root), kit.model, verb, fs)
+        fs.fail(base + i, errno.ENOSPC, sticky=True)
+        with fileio.use(fs):
+            try:
+                action()
+            except StoreFull:
+                pass
+            except OSError as e:
+                raise AssertionError(f"ENOSPC at operation {i} of {verb} ({ops[i][0]}) came out as {e!r}") from e
+            fs.heal()
+        fs.process_death()  # a verb that failed half-way may hold its session open: let it go
+        store.close()
+        try:
+            torture.check(root, kit.model, kit.ref, verb, floors, acked=False)
+        except AssertionError as e:
+            raise AssertionError(f"after ENOSPC at operation {i} of {verb} ({ops[i][0]}): {e}") from e
+
+
+WRITING_VERBS = ["pack", "import", "fork", "create"]
+
+
+@pytest.mark.parametrize("verb", WRITING_VERBS)
+def test_enospc_during_a_writing_verb_is_store_full(kit, tmp_path, verb):
+    enospc_during(kit, tmp_path, verb, every=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("verb", WRITING_VERBS)
+def test_enospc_at_every_operation_of_a_writing_verb_is_store_full(kit, tmp_path, verb):
+    enospc_during(kit, tmp_path, verb, every=True)

@@ -359,8 +359,10 @@ def kill_after(proc, conn, delay: float) -> list[tuple]:
                 messages.append(conn.recv())
     except EOFError:
         pass
-    if proc.is_alive():
+    try:
         os.kill(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:  # it ended by itself meanwhile
+        pass
     proc.join(30)
     try:
         while conn.poll(0):

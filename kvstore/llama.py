@@ -153,8 +153,8 @@ class Llama:
             qk.mul_(cos).addcmul_(swapped, sin)
             rows = cache.layers[i]
             rows[pos].view(-1).copy_(qkv[q_end:])  # k | v is exactly one token row of the cache
-            k_all, v_all = rows[:end, 0].transpose(0, 1)[None], rows[:end, 1].transpose(0, 1)[None]  # [1, nkv, end, hd]
-            o = F.scaled_dot_product_attention(qkv[:q_end].view(1, nh, 1, hd), k_all, v_all, enable_gqa=nh != nkv)
+            kv = rows[:end].permute(1, 2, 0, 3)  # [2, nkv, end, hd]: K is kv[0:1], V is kv[1:2]
+            o = F.scaled_dot_product_attention(qkv[:q_end].view(1, nh, 1, hd), kv[0:1], kv[1:2], enable_gqa=nh != nkv)
             x = add_matvec(x, L.wo, o.view(-1), L.bo)
             gate_up = matvec(L.w_gate_up, norm(x, L.mlp_norm2), L.b_gate_up)  # [2 ffn]
             ffn = gate_up.shape[0] // 2

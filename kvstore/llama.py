@@ -187,21 +187,18 @@ def add_matvec(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, b: torch.Tenso
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """x `[T, in]` @ w.T (+ b). One token takes the matrix-vector kernel: memory-bound, and at T=1 the
-    generic matmul path is slower here. Which kernel runs depends on T alone, never on history."""
+    """x `[T, in]` @ w.T (+ b). One row takes the matrix-vector kernel (memory-bound; the generic
+    matmul path is slower at T=1 here). Which kernel runs depends on T alone, never on history."""
     if x.shape[0] == 1:
-        y = torch.mv(w, x[0]) if b is None else torch.addmv(b, w, x[0])
-        return y.unsqueeze(0)
+        return matvec(w, x[0], b)[None]
     return F.linear(x, w, b)
 
 
 def add_linear(x: torch.Tensor, y: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
     """The residual step x + y @ w.T (+ b), fused into one kernel where there is no bias."""
-    if b is not None:
-        return x + F.linear(y, w, b)
     if x.shape[0] == 1:
-        return torch.addmv(x[0], w, y[0]).unsqueeze(0)
-    return torch.addmm(x, y, w.t())
+        return add_matvec(x[0], w, y[0], b)[None]
+    return torch.addmm(x, y, w.t()) if b is None else x + F.linear(y, w, b)
 
 
 def rms_norm(x: torch.Tensor, weight2: torch.Tensor, eps: float) -> torch.Tensor:

@@ -155,7 +155,7 @@ def import_session(store, path: Path, name: str | None, model) -> str:
                               "the archive's model description was altered")
     session_id = uuid.uuid4().hex
     directory = store.session_dir(session_id)
-    lock = SessionLock(directory, name).acquire()  # gc leaves a folder alone while its writer holds it
+    lock = SessionLock(directory, name).acquire(fresh=True)  # gc leaves a folder alone while it is locked
     try:
         written = _write_extents(path, plan, data_start, directory)
         _commit(store, plan, name, session_id, written)

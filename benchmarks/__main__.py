@@ -45,7 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--no-peers", action="store_true", help="kvstore only (no HF transformers, no llama.cpp)")
     run.add_argument("--no-llama", action="store_true", help="leave llama.cpp out even when it is installed")
     run.add_argument("--out", type=Path, default=OUT, help="where results.json goes (default benchmarks/out)")
-    run.add_argument("--dest", type=Path, help="where REPORT.md and plots/ go (default: benchmarks/, --quick: --out)")
+    run.add_argument("--dest", type=Path,
+                     help="where REPORT.md and plots/ go (default: benchmarks/ for a full run with the peers, else --out)")
     rep = sub.add_parser("report", help="write REPORT.md and plots from a results.json")
     rep.add_argument("--results", type=Path, default=OUT / "results.json")
     rep.add_argument("--dest", type=Path, default=HERE)
@@ -56,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     results = run_suite(args)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
-    return write_report(results, args.dest or (args.out if args.quick else HERE), None)
+    published = not (args.quick or args.no_peers)  # only a full run with the peers replaces the committed report
+    return write_report(results, args.dest or (HERE if published else args.out), None)
 
 
 def write_report(results: dict, dest: Path, readme: Path | None) -> int:

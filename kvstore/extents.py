@@ -73,33 +73,44 @@ def read_layers(ref: ExtentRef, home: Path, itemsize: int, *, session: str) -> l
 def load_into(cache, refs: list[ExtentRef], home: Path, *, session: str) -> None:
     """Append every referenced extent to `cache` (empty on entry), checksums verified.
 
-    Whole raw extents on a CPU cache are read straight into the cache's memory, the layers in
-    parallel; partial ones (a fork's last), packed ones and CUDA caches go through a buffer.
+    Runs of whole raw extents on a CPU cache are read straight into the cache's memory, one task per
+    layer over the whole run (two threads: the copy and the first touch of fresh pages share the
+    cost); partial ones (a fork's last), packed ones and CUDA caches go through a buffer.
     """
     itemsize = cache.dtype.itemsize
+    run: list[ExtentRef] = []
+    pos = cache.length
     for ref in refs:
-        if ref.start != cache.length:
-            raise CorruptData(f"session {session!r}: the index has a gap in its KV at position {cache.length}")
+        if ref.start != pos:
+            raise CorruptData(f"session {session!r}: the index has a gap in its KV at position {pos}")
+        pos += ref.n_tokens
         if ref.blob is None and ref.n_tokens == ref.extent_tokens and cache.device.type == "cpu":
-            _read_direct(cache, ref, home, session)
+            run.append(ref)
             continue
+        _read_direct(cache, run, home, session)
+        run = []
         used = ref.n_tokens * ref.token_bytes
         layers = read_layers(ref, home, itemsize, session=session)
         # bytes -> [n_tokens, 2, n_kv_heads, head_dim] in the cache's dtype
         cache.load(ref.start, [torch.from_numpy(d[:used]).view(cache.dtype).view(ref.n_tokens, *cache.token_shape)
                                for d in layers])
+    _read_direct(cache, run, home, session)
 
 
-def _read_direct(cache, ref: ExtentRef, home: Path, session: str) -> None:
-    start, end = ref.start, ref.start + ref.n_tokens
+def _read_direct(cache, run: list[ExtentRef], home: Path, session: str) -> None:
+    """Read a run of consecutive whole raw extents into the cache, each layer's reads in one task."""
+    if not run:
+        return
+    end = run[-1].start + run[-1].n_tokens
     cache.reserve(end)
-    directory = home / "sessions" / ref.segment_id
 
     def one(layer: int) -> None:
-        target = cache.layers[layer][start:end].view(torch.uint8).numpy().reshape(-1)
-        what = f"session {session!r}, extent {ref.extent_id}, layer {layer}"
-        segments.read_extent_into(directory, layer, ref.offset, target, what=what)
-        segments.verify(target, ref.checksums[layer], what=f"{what} ({segments.layer_path(Path(ref.segment_id), layer).as_posix()})")
+        for ref in run:
+            target = cache.layers[layer][ref.start:ref.start + ref.n_tokens].view(torch.uint8).numpy().reshape(-1)
+            what = f"session {session!r}, extent {ref.extent_id}, layer {layer}"
+            segments.read_extent_into(home / "sessions" / ref.segment_id, layer, ref.offset, target, what=what)
+            file = segments.layer_path(Path(ref.segment_id), layer).as_posix()
+            segments.verify(target, ref.checksums[layer], what=f"{what} ({file})")
 
-    codec.parallel_map(one, list(range(len(ref.checksums))), threads=2)
+    codec.parallel_map(one, list(range(cache.n_layers)), threads=2)
     cache.advance(end)

@@ -129,7 +129,10 @@ def kill_after(proc, conn, delay: float) -> list[tuple]:
     except EOFError:  # the child ended (and closed its end) before the deadline
         pass
     if proc.is_alive():
-        os.kill(proc.pid, signal.SIGKILL)
+        try:
+            os.kill(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:  # it ended, and its parent (the forkserver) reaped it, since is_alive()
+            pass
     proc.join(10)
     while True:
         try:

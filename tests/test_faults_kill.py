@@ -10,13 +10,11 @@ import random
 
 import pytest
 import torch
-from sqlalchemy import select
 
 import kvstore
 import store_harness as H
 import test_faults_kit as torture
 from kvstore.errors import KvstoreError, StoreMissing
-from kvstore.index import SessionRow
 from test_faults_kit import SETTINGS, VERBS, Kit
 
 
@@ -67,7 +65,7 @@ def killed_mid_generation(kit, tmp_path, n_acks: int):
                               str(tmp_path / "t.jsonl"), 1)
     for _ in range(n_acks):
         H.wait_for(conn, "ack")
-    torture.kill_after(proc, conn, 0.0)
+    H.kill_after(proc, conn, 0.0)
     return home, floor
 
 

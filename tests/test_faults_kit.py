@@ -11,11 +11,8 @@ open (recovery after a writer died with uncommitted bytes).
 from __future__ import annotations
 
 import multiprocessing
-import os
 import random
 import shutil
-import signal
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -350,28 +347,6 @@ def start(target, *args):
     return proc, parent
 
 
-def kill_after(proc, conn, delay: float) -> list[tuple]:
-    """SIGKILL the child `delay` seconds from now (unless it ended first); every message it sent."""
-    messages, deadline = [], time.monotonic() + delay
-    try:
-        while proc.is_alive() and time.monotonic() < deadline:
-            if conn.poll(max(0.0, min(0.005, deadline - time.monotonic()))):
-                messages.append(conn.recv())
-    except EOFError:
-        pass
-    try:
-        os.kill(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:  # it ended by itself meanwhile
-        pass
-    proc.join(30)
-    try:
-        while conn.poll(0):
-            messages.append(conn.recv())
-    except (EOFError, OSError):
-        pass
-    return messages
-
-
 def kill_trial(template: Path, root: Path, model_path: str, model, ref: Reference, verb: str,
                floors: dict[str, int], kill_at: int | None, *, trace: bool = True) -> tuple:
     """A child runs the verb and dies at operation `kill_at`; returns the message it sent last."""
@@ -462,7 +437,7 @@ def oracle_round(kit: "Kit", tmp_path: Path, rng: random.Random) -> dict:
     trace = tmp_path / "t.jsonl"
     proc, conn = start(H.child_generate, str(home), kit.model_path, "s", N_TOTAL, str(trace), 1)
     H.wait_for(conn, "ready")
-    acks = [m for m in kill_after(proc, conn, rng.uniform(0.0, 0.4)) if m[0] == "ack"]
+    acks = [m for m in H.kill_after(proc, conn, rng.uniform(0.0, 0.4)) if m[0] == "ack"]
     with store.db() as db:
         head = db.scalar(select(SessionRow.head).where(SessionRow.name == "s"))
     if acks and head < acks[-1][1]:

@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 import xxhash
 import zstandard
 from safetensors.torch import load_file, save_file

@@ -1,8 +1,9 @@
 """Export and import: one self-describing file per session (format documented in docs/FORMATS.md).
 
 Layout: magic `\\x89KVS\\r\\n\\x1a\\n`, u32 version, u32 flags, u64 manifest length, u64 xxh3-64 of
-the manifest, the manifest (UTF-8 JSON), then the data region: one byte-shuffled zstd frame per
+the manifest, the manifest (UTF-8 JSON), then the data region: one compressed payload (`codec`) per
 extent and layer, at the offsets the manifest lists, each with its raw size and raw xxh3-64.
+Version 2 payloads are byte-plane frames; version 1 (still read) had one shuffled frame each.
 Import checks the magic, version, sizes, every frame's declared size (before inflating it) and
 checksum, the model fingerprint and the KV layout before anything is committed; a failure leaves
 the store as it was. Nothing in an archive is a path, and nothing is unpickled.
@@ -32,7 +33,8 @@ from .sampling import SamplerSettings
 from .store import check_name, encode_tokens, read_tokens
 
 MAGIC = b"\x89KVS\r\n\x1a\n"
-VERSION = 1
+VERSION = 2
+READABLE = (1, 2)  # versions 1 and 2 differ only in the payload encoding, which `codec` tells apart
 HEADER = struct.Struct("<8sIIQQ")  # magic, version, flags, manifest length, manifest xxh3-64
 MAX_MANIFEST = 256 << 20
 MAX_FRAME_RAW = 1 << 30  # one layer of one extent: far above any real one, low enough to allocate
@@ -66,7 +68,7 @@ def export_session(store, name: str, path: Path) -> dict[str, Any]:
         used = ref.n_tokens * ref.token_bytes
         entry = {"start": ref.start, "n_tokens": ref.n_tokens, "frames": []}
         for data in read_layers(ref, store.home, itemsize, session=name):
-            frame = codec.pack_frame(data[:used], itemsize)
+            frame = codec.pack_frame(data[:used], itemsize, ref.token_bytes)
             entry["frames"].append({"offset": offset, "size": len(frame), "raw_size": used,
                                     "xxh3": codec.checksum(data[:used])})
             frames.append(frame)
@@ -117,9 +119,9 @@ def read_manifest(path: Path) -> tuple[dict[str, Any], int, int]:
         if len(head) < HEADER.size or head[:8] != MAGIC:
             raise UnsupportedFormat(f"{path.name} is not a kvstore archive (bad magic); export one with `kvstore export`")
         magic, version, flags, length, digest = HEADER.unpack(head)
-        if version != VERSION:
+        if version not in READABLE:
             raise UnsupportedFormat(f"{path.name} is archive format version {version}; this kvstore reads "
-                                    f"version {VERSION} (upgrade kvstore)")
+                                    f"versions {', '.join(map(str, READABLE))} (upgrade kvstore)")
         if flags != 0:
             raise UnsupportedFormat(f"{path.name} uses archive flags {flags:#x} this kvstore does not know")
         if length > MAX_MANIFEST or HEADER.size + length > size:
@@ -178,7 +180,7 @@ def _write_extents(path: Path, plan: dict[str, Any], data_start: int, directory:
             for layer, fr in enumerate(extent["frames"]):
                 what = f"{path.name}: extent {e_index}, layer {layer}"
                 frame = io.pread(fd, fr["size"], data_start + fr["offset"])
-                raw = codec.unpack_frame(frame, fr["raw_size"], itemsize, what=what)
+                raw = codec.unpack_frame(frame, fr["raw_size"], itemsize, plan["token_bytes"], what=what)
                 if codec.checksum(raw) != fr["xxh3"]:
                     raise CorruptData(f"{what}: checksum mismatch; the archive is damaged")
                 layers.append(raw)

@@ -1,9 +1,9 @@
-"""Packed extents: `blobs/<hash>.kvz`, one byte-shuffled zstd frame per layer, content-addressed.
+"""Packed extents: `blobs/<hash>.kvz`, one compressed payload per layer (`codec`), content-addressed.
 
 The name is the xxh3-128 of the extent's raw bytes (all layers in order), so identical extents,
 forks' shared ones first of all, are stored once. A pack holds `hold(shared=True)` from the first
 blob it writes or reuses until its commit, so gc cannot delete one in between. The index keeps
-each frame's [offset, size] and a checksum of the whole file; each frame also carries zstd's own
+each payload's [offset, size] and a checksum of the whole file; its zstd frames carry zstd's own
 content checksum, and the raw bytes are checked against the extent's per-layer checksums after
 inflating.
 """
@@ -56,36 +56,38 @@ def content_hash(layers: list[np.ndarray]) -> str:
     return h.hexdigest()
 
 
-def pack(blobs_dir: Path, layers: list[np.ndarray], itemsize: int) -> Packed:
-    """Write (or find) the blob for one extent's per-layer raw bytes."""
-    digest = content_hash(layers)
-    frames = codec.parallel_map(lambda d: codec.pack_frame(d, itemsize), layers)
+def pack(blobs_dir: Path, layers: list[np.ndarray], itemsize: int, row_bytes: int, digest: str | None = None) -> Packed:
+    """Write the blob for one extent's per-layer raw bytes. A file already there under that name
+    (left by a killed pack, perhaps in an older encoding) is kept only if it is byte-identical."""
+    digest = digest or content_hash(layers)
+    frames = codec.parallel_map(lambda d: codec.pack_frame(d, itemsize, row_bytes), layers)
     table, offset = [], 0
     for f in frames:
         table.append([offset, len(f)])
         offset += len(f)
     body = b"".join(frames)
+    file_checksum = codec.checksum(body)
     path = blob_path(blobs_dir, digest)
-    if not io.exists(path):
+    if not io.exists(path) or codec.checksum(io.read_file(path)) != file_checksum:
         try:
             io.mkdir(blobs_dir)
         except OSError as e:
             reraise_full(e, f"creating {blobs_dir.name}/")
         write_durable(path, body)
-    return Packed(digest, table, len(body), codec.checksum(body))
+    return Packed(digest, table, len(body), file_checksum)
 
 
 def unpack(blobs_dir: Path, digest: str, frames: list[list[int]], file_checksum: str, raw_size: int,
-           itemsize: int, *, what: str) -> list[np.ndarray]:
+           itemsize: int, row_bytes: int, *, what: str) -> list[np.ndarray]:
     """Per-layer raw bytes of a packed extent (checksums of the file and of each frame verified)."""
     path = blob_path(blobs_dir, digest)
     try:
-        body = io.read_file(path)
+        body = memoryview(io.read_file(path))  # frames are sliced from it without copies
     except FileNotFoundError:
         raise CorruptData(f"{what}: blob {path.name} is missing; the session cannot be restored") from None
     if codec.checksum(body) != file_checksum:
         raise CorruptData(f"{what}: blob {path.name} fails its checksum; the file was damaged")
     return codec.parallel_map(
-        lambda i: codec.unpack_frame(body[frames[i][0]:frames[i][0] + frames[i][1]], raw_size, itemsize,
+        lambda i: codec.unpack_frame(body[frames[i][0]:frames[i][0] + frames[i][1]], raw_size, itemsize, row_bytes,
                                      what=f"{what}, blob {path.name}, layer {i}"),
         list(range(len(frames))))

@@ -59,7 +59,8 @@ def read_layers(ref: ExtentRef, home: Path, itemsize: int, *, session: str) -> l
     what = f"session {session!r}, extent {ref.extent_id}"
     if ref.blob is not None:
         b = ref.blob
-        layers = blobs.unpack(home / "blobs", b.hash, b.frames, b.file_checksum, ref.raw_size, itemsize, what=what)
+        layers = blobs.unpack(home / "blobs", b.hash, b.frames, b.file_checksum, ref.raw_size, itemsize,
+                              ref.token_bytes, what=what)
     else:
         directory = home / "sessions" / ref.segment_id
         layers = [segments.read_extent(directory, i, ref.offset, ref.raw_size, what=f"{what}, layer {i}")

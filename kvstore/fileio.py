@@ -60,10 +60,11 @@ class PosixIO:
             total += n
         return total
 
-    def pread(self, fd: int, length: int, offset: int) -> bytes:
-        """Up to `length` bytes from offset (fewer at end of file)."""
+    def pread(self, fd: int, length: int, offset: int) -> bytearray:
+        """Up to `length` bytes from offset (fewer at end of file), read in place: no copy after."""
         buf = bytearray(length)
-        return bytes(buf[:self.pread_into(fd, buf, offset)])
+        del buf[self.pread_into(fd, buf, offset):]
+        return buf
 
     def fsync(self, fd: int) -> None:
         os.fsync(fd)
@@ -71,7 +72,7 @@ class PosixIO:
     def truncate(self, fd: int, length: int) -> None:
         os.ftruncate(fd, length)
 
-    def read_file(self, path: Path) -> bytes:
+    def read_file(self, path: Path) -> bytearray:
         fd = self.open_read(path)
         try:
             return self.pread(fd, self.size(fd), 0)

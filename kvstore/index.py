@@ -123,10 +123,10 @@ class MessageRow(Base):
 
 
 class BlobRow(Base):
-    """A packed extent: per layer one shuffled zstd frame, in one content-addressed file."""
+    """A packed extent: per layer one compressed payload (`codec`), in one content-addressed file."""
     __tablename__ = "blobs"
     hash: Mapped[str] = mapped_column(String(64), primary_key=True)
-    frames: Mapped[list[list[int]]] = mapped_column(JSON)  # per layer [offset, size]
+    frames: Mapped[list[list[int]]] = mapped_column(JSON)  # per layer its payload's [offset, size]
     size: Mapped[int] = mapped_column(BigInteger)
     file_checksum: Mapped[str] = mapped_column(String(32))
 

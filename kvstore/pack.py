@@ -28,7 +28,9 @@ def pack_session(store, session_id: str, name: str) -> dict[str, int]:
     try:
         for ref in refs:
             layers = read_layers(ref, store.home, dtype_size, session=name)
-            packed = blobs.pack(store.blobs_dir, layers, dtype_size)
+            digest = blobs.content_hash(layers)
+            packed = _committed_blob(store, digest) or \
+                blobs.pack(store.blobs_dir, layers, dtype_size, ref.token_bytes, digest)
             new_rows.append((ref.extent_id, packed))
             raw_bytes += ref.raw_size * len(layers)
             packed_bytes += packed.size
@@ -43,6 +45,13 @@ def pack_session(store, session_id: str, name: str) -> dict[str, int]:
         io.unlock(lock)
     free_packed_segment(store, session_id)
     return {"extents": len(refs), "raw_bytes": raw_bytes, "packed_bytes": packed_bytes}
+
+
+def _committed_blob(store, digest: str) -> blobs.Packed | None:
+    """The blob already committed for these bytes (a fork packed them first), kept as it is."""
+    with store.db() as db:
+        row = db.get(BlobRow, digest)
+        return None if row is None else blobs.Packed(row.hash, row.frames, row.size, row.file_checksum)
 
 
 def _commit(store, new_rows: list) -> None:

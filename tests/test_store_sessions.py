@@ -10,6 +10,8 @@ import pytest
 
 import kvstore
 import store_harness as H
+from kvstore import blobs
+from kvstore.extents import read_layers, session_extents
 from kvstore.errors import SessionExists, SessionNotFound
 
 
@@ -97,6 +99,20 @@ def test_packed_blobs_are_shared_between_forks(store, model):
     with store.open("child", model) as c:
         assert c.seq.cache.length == store.info("child").n_cached
     assert store.verify() == {"child": [], "doc": []}
+
+
+def test_a_stale_blob_file_under_the_right_name_is_replaced_when_packing(store, model):
+    """A killed pack (or an older kvstore's encoding) can leave a blob file no index row describes."""
+    with store.db() as db:
+        refs = session_extents(db, store.row(db, "doc").id)
+    digest = blobs.content_hash(read_layers(refs[0], store.home, 2, session="doc"))
+    stale = blobs.blob_path(store.blobs_dir, digest)
+    stale.parent.mkdir(exist_ok=True)
+    stale.write_bytes(b"bytes in some other encoding")
+    store.pack("doc")
+    assert store.verify() == {"doc": []}
+    with store.open("doc", model) as s:
+        assert s.seq.cache.length == store.info("doc").n_cached
 
 
 def test_gc_removes_folders_left_by_a_crashed_create(store):

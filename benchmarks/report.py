@@ -44,6 +44,8 @@ def targets(r: dict) -> list[dict]:
     hf = r.get("engine", {}).get("ratios", {}).get("hf")
     add("decode speed vs HF transformers `generate`", hf and hf["decode"]["median"],
         hf and f"{span(hf['decode'], fmt='.2f', unit='×')}", "≥ 2×", lambda v: v >= 2)
+    add("prefill speed (2,048 tokens) vs HF transformers", hf and hf["prefill"]["median"],
+        hf and f"{span(hf['prefill'], fmt='.2f', unit='×')}", "≥ 1×", lambda v: v >= 1)
     for n, goal in (("2048", 40), ("8191", 80)):
         t = r.get("ttft", {}).get(n)
         add(f"resume vs recompute, time to first token at {label(n)} tokens", t and t["speedup"],
@@ -63,6 +65,9 @@ def targets(r: dict) -> list[dict]:
     pk = r.get("save_restore", {}).get("2048", {}).get(KVSTORE[1])
     add("packed size / raw bf16 KV (2,048 tokens)", pk and pk["ratio"]["median"],
         pk and f"{pk['ratio']['median']:.2f}", "≤ 0.70", lambda v: v <= 0.70)
+    unpack = pk and pk["bytes"]["median"] / pk["ratio"]["median"] / pk["restore_s"]["median"] / 1e9
+    add("unpack: raw bytes / time to open a packed 2,048-token session (warm)", unpack,
+        unpack and f"{unpack:.2f} GB/s", "≥ 1 GB/s", lambda v: v >= 1)
     return rows
 
 

@@ -165,7 +165,8 @@ def engine_phase(model, kv_load_s: float, hf, llama, cfg: dict) -> dict:
         out["ratios"][peer] = engine.summarize({
             "decode": [a / b for a, b in zip(ours["decode_tok_s"], theirs["decode_tok_s"])],
             "decode_steady": [a / b for a, b in zip(ours["decode_steady_tok_s"], theirs["decode_steady_tok_s"])],
-            "prefill": [b / a for a, b in zip(ours["prefill_s"], theirs["prefill_s"])]})
+            "prefill": [b / a for a, b in zip(ours["prefill_s"], theirs["prefill_s"])],
+            "prefill_one_chunk": [b / a for a, b in zip(ours["prefill_one_chunk_s"], theirs["prefill_s"])]})
         out["greedy_equal_prefix"][peer] = next(
             (i for i, (a, b) in enumerate(zip(tokens["kvstore"], tokens[peer])) if a != b), len(tokens["kvstore"]))
     return out

@@ -44,8 +44,11 @@ def targets(r: dict) -> list[dict]:
     hf = r.get("engine", {}).get("ratios", {}).get("hf")
     add("decode speed vs HF transformers `generate`", hf and hf["decode"]["median"],
         hf and f"{span(hf['decode'], fmt='.2f', unit='×')}", "≥ 2×", lambda v: v >= 2)
-    add("prefill speed (2,048 tokens) vs HF transformers", hf and hf["prefill"]["median"],
-        hf and f"{span(hf['prefill'], fmt='.2f', unit='×')}", "≥ 1×", lambda v: v >= 1)
+    one = hf and hf.get("prefill_one_chunk")
+    add("prefill speed, 2,048 tokens in one forward (as HF runs it) vs HF transformers", one and one["median"],
+        one and f"{span(one, fmt='.2f', unit='×')}", "≥ 1×", lambda v: v >= 1)
+    add("prefill speed, 2,048 tokens in kvstore's default chunks of 512 vs HF transformers",
+        hf and hf["prefill"]["median"], hf and f"{span(hf['prefill'], fmt='.2f', unit='×')}", "≥ 1×", lambda v: v >= 1)
     for n, goal in (("2048", 40), ("8191", 80)):
         t = r.get("ttft", {}).get(n)
         add(f"resume vs recompute, time to first token at {label(n)} tokens", t and t["speedup"],
@@ -58,9 +61,11 @@ def targets(r: dict) -> list[dict]:
     add("restore of a 2,048-token session (warm page cache)", ours and ours["restore_s"]["median"] * 1e3,
         ours and span(ours["restore_s"], 1e3, unit=" ms"), f"≤ {limit:.1f} ms ({where})", lambda v: v <= limit)
     ck = r.get("checkpoint", {}).get("every", {}).get("16")
-    add("decode overhead of a checkpoint every 16 tokens", ck and ck["overhead_pct"],
-        ck and f"{ck['overhead_pct']:.1f} % (per repetition: {ck['overhead_pct_paired']['min']:.1f} to "
-               f"{ck['overhead_pct_paired']['max']:.1f} %)", "≤ 3 %",
+    add("decode overhead of a checkpoint every 16 tokens: time inside the checkpoints",
+        ck and ck.get("overhead_pct_timed", {}).get("median"),
+        ck and "overhead_pct_timed" in ck and span(ck["overhead_pct_timed"], unit=" %"), "≤ 3 %", lambda v: v <= 3)
+    add("the same, from decode rates with and without (paired per repetition; noisy)",
+        ck and ck["overhead_pct_paired"]["median"], ck and span(ck["overhead_pct_paired"], unit=" %"), "≤ 3 %",
         lambda v: v <= 3)
     pk = r.get("save_restore", {}).get("2048", {}).get(KVSTORE[1])
     add("packed size / raw bf16 KV (2,048 tokens)", pk and pk["ratio"]["median"],
@@ -121,7 +126,8 @@ def engine_section(r: dict) -> list[str]:
              f"Decode: greedy, {e['decode_new']} new tokens after a {label(e['decode_prompt'])}-token prompt, "
              "tok/s from the first new token to the last (\"steady\": 1 / the median gap between tokens). "
              f"Prefill: {label(e['prefill_tokens'])} tokens in one call that yields the next token's logits "
-             f"(kvstore: chunks of {e['chunk']}). kvstore and HF transformers run the same bf16 weights "
+             f"(kvstore: chunks of {e['chunk']}, and the same tokens in one chunk). "
+             "kvstore and HF transformers run the same bf16 weights "
              "(dequantized from the GGUF); llama.cpp runs the GGUF's own Q4_1 weights with an f16 KV cache.", "",
              "| engine | decode tok/s | decode tok/s, steady | prefill tok/s | prefill s | load s |",
              "|---|---:|---:|---:|---:|---:|"]
@@ -131,9 +137,15 @@ def engine_section(r: dict) -> list[str]:
         lines.append(f"| {name} | {span(x['decode_tok_s'])} | {span(x['decode_steady_tok_s'])} | "
                      f"{n / p['median']:.0f} ({n / p['max']:.0f}–{n / p['min']:.0f}) | {span(p, fmt='.3f')} | "
                      f"{x['load_s']:.1f} |")
+        if "prefill_one_chunk_s" in x:
+            p = x["prefill_one_chunk_s"]
+            lines.append(f"| {name}, prefill in one chunk | | | {n / p['median']:.0f} ({n / p['max']:.0f}–"
+                         f"{n / p['min']:.0f}) | {span(p, fmt='.3f')} | |")
     for peer, q in e["ratios"].items():
         lines.append(f"| **kvstore ÷ {peer}** | **{span(q['decode'], fmt='.2f', unit='×')}** | "
                      f"{span(q['decode_steady'], fmt='.2f', unit='×')} | **{span(q['prefill'], fmt='.2f', unit='×')}** | | |")
+        if "prefill_one_chunk" in q:
+            lines.append(f"| **kvstore in one chunk ÷ {peer}** | | | **{span(q['prefill_one_chunk'], fmt='.2f', unit='×')}** | | |")
     if e["greedy_equal_prefix"]:
         same = ", ".join(f"{p}: {k}" for p, k in e["greedy_equal_prefix"].items())
         lines += ["", f"Greedy tokens equal to kvstore's for the first k of {e['decode_new']} ({same}); bf16 kernels "
@@ -171,12 +183,15 @@ def checkpoint_section(r: dict) -> list[str]:
              f"{label(c['prompt_tokens'])}-token prompt, in a fresh fork of a session that commits a checkpoint "
              "every k tokens (each: the new KV appended and fsynced, one SQLite transaction), vs one that commits "
              "none while decoding; configurations rotated each repetition. Paired: the overhead within each "
-             "repetition.", "",
-             "| checkpoint every | decode tok/s | overhead (of medians) | overhead, paired | ms per checkpoint |",
-             "|---:|---:|---:|---:|---:|", f"| never | {span(c['none'])} | | | |"]
+             "repetition. Timed: the time spent inside the checkpoints against the rest of the same decode "
+             "(the rates of separate runs move with the machine's noise; this does not).", "",
+             "| checkpoint every | decode tok/s | overhead (of medians) | overhead, paired | overhead, timed "
+             "| ms per checkpoint (from the rates) |",
+             "|---:|---:|---:|---:|---:|---:|", f"| never | {span(c['none'])} | | | | |"]
     for k, x in c["every"].items():
-        lines.append(f"| {k} | {span(x['tok_s'])} | {x['overhead_pct']:.1f} % | {span(x['overhead_pct_paired'], unit=' %')} "
-                     f"| {x['ms_per_checkpoint']:.1f} |")
+        timed = span(x["overhead_pct_timed"], unit=" %") if "overhead_pct_timed" in x else "not measured"
+        lines.append(f"| {k} | {span(x['tok_s'])} | {x['overhead_pct']:.1f} % | "
+                     f"{span(x['overhead_pct_paired'], unit=' %')} | {timed} | {x['ms_per_checkpoint']:.1f} |")
     return lines + ["", "![checkpoint overhead](plots/checkpoint.png)", ""]
 
 

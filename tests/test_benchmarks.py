@@ -34,10 +34,12 @@ def fake(speedup_8k: float = 120.0, llama: bool = True) -> dict:
         "load": {"start": [0.5, 0.5, 0.5], "end": [0.7, 0.6, 0.5]},
         "engine": {"decode_prompt": 1024, "decode_new": 64, "prefill_tokens": 2048, "chunk": 512, "others_busy_cpus": [0.0],
                    "engines": engines, "greedy_equal_prefix": {"hf": 12},
-                   "ratios": {"hf": {"decode": s(2.5), "decode_steady": s(2.4), "prefill": s(1.25)}}},
+                   "ratios": {"hf": {"decode": s(2.5), "decode_steady": s(2.4), "prefill": s(0.95),
+                                             "prefill_one_chunk": s(1.25)}}},
         "ttft": ttft, "save_restore": {"2048": save},
         "checkpoint": {"new_tokens": 129, "prompt_tokens": 1024, "none": s(40),
                        "every": {str(k): {"tok_s": s(40 - 4 / k), "overhead_pct": 10 / k, "overhead_pct_paired": s(10 / k),
+                                          "overhead_pct_timed": s(4 / k),
                                           "ms_per_checkpoint": 2.0} for k in (1, 4, 16, 64)}},
         "forks": {"tokens": 8191, "new_tokens_per_fork": 16, "fork_s": [0.004] * 3, "fork_s_stats": s(0.004),
                   "bytes_after_forks": [4096, 8192, 12288], "bytes_after_decode": [4e5, 8e5, 1.2e6]},
@@ -54,8 +56,12 @@ def test_targets_are_judged_against_their_goals():
     assert v["resume vs recompute, time to first token at 2,048 tokens"] is True  # 45x >= 40x
     assert v["resume vs recompute, time to first token at 8,191 tokens"] is False  # 60x < 80x
     assert v["restore of a 2,048-token session (warm page cache)"] is True  # 30 ms <= llama.cpp's 40 ms
-    assert v["decode overhead of a checkpoint every 16 tokens"] is True  # 0.6 % <= 3 %
+    assert v["prefill speed, 2,048 tokens in one forward (as HF runs it) vs HF transformers"] is True  # 1.25x
+    assert v["prefill speed, 2,048 tokens in kvstore's default chunks of 512 vs HF transformers"] is False  # 0.95x
+    assert v["decode overhead of a checkpoint every 16 tokens: time inside the checkpoints"] is True  # 0.25 % <= 3 %
+    assert v["the same, from decode rates with and without (paired per repetition; noisy)"] is True  # 0.6 % <= 3 %
     assert v["packed size / raw bf16 KV (2,048 tokens)"] is True  # 0.66 <= 0.70
+    assert v["unpack: raw bytes / time to open a packed 2,048-token session (warm)"] is True  # 47 MB / 0.66 / 30 ms
 
 
 def test_missing_figures_are_not_measured_and_llama_falls_back_to_the_earlier_figure():

@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterator
 
 from sqlalchemy import delete, select, update
 
+from .cache import with_room
 from .chat import turn_ids
 from .errors import CorruptData, KvstoreError, ModelMismatch, SessionBusy
 from .extents import load_into, session_extents
@@ -298,7 +299,7 @@ class Session:
             messages = [message_dict(m) for m in db.scalars(
                 select(MessageRow).where(MessageRow.session_id == child.id).order_by(MessageRow.ordinal))]
         lock = SessionLock(self.store.session_dir(child.id), name).acquire()
-        cache = self.model.new_cache(capacity=child.n_cached)
+        cache = self.model.new_cache(capacity=with_room(child.n_cached))
         if child.n_cached:
             cache.load(0, self.seq.cache.state(0, child.n_cached))
         seq = Sequence(self.model, cache, self.seq.tokens[:child.n_tokens], chunk_size=self.seq.chunk_size)
@@ -353,7 +354,7 @@ def check_model(db, row: SessionRow, model) -> None:
 
 def load_cache(home: Path, name: str, refs, model, n_cached: int):
     """The session's KVCache rebuilt from its extents, every checksum verified."""
-    cache = model.new_cache(capacity=n_cached)
+    cache = model.new_cache(capacity=with_room(n_cached))
     load_into(cache, refs, home, session=name)
     if cache.length != n_cached:
         raise CorruptData(f"session {name!r}: its extents cover {cache.length} positions, the head says {n_cached}")

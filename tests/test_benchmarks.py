@@ -95,7 +95,6 @@ def test_readme_section_is_replaced_and_the_rest_kept(tmp_path):
 
 
 def test_write_makes_the_report_and_its_plots(tmp_path):
-    pytest.importorskip("matplotlib")
     path = report.write(fake(), tmp_path)
     assert path.read_text(encoding="utf-8").startswith("# Benchmark report")
     for name in ("ttft", "engine", "save_restore", "checkpoint", "growth"):

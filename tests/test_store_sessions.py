@@ -115,6 +115,19 @@ def test_a_stale_blob_file_under_the_right_name_is_replaced_when_packing(store, 
         assert s.seq.cache.length == store.info("doc").n_cached
 
 
+def test_a_restored_or_forked_cache_has_room_for_the_next_tokens(store, model):
+    """Growing a cache copies it whole: the first tokens after a resume or a fork must not."""
+    with store.open("doc", model) as s:
+        first_row = s.seq.cache.layers[0].data_ptr()
+        list(s.generate(5, stop_at_eos=False))
+        assert s.seq.cache.layers[0].data_ptr() == first_row
+        child = s.fork("side")
+        first_row = child.seq.cache.layers[0].data_ptr()
+        list(child.generate(5, stop_at_eos=False))
+        assert child.seq.cache.layers[0].data_ptr() == first_row
+        child.close()
+
+
 def test_gc_removes_folders_left_by_a_crashed_create(store):
     stray = store.sessions_dir / "0123456789abcdef0123456789abcdef"
     stray.mkdir()

@@ -77,17 +77,29 @@ def pack(blobs_dir: Path, layers: list[np.ndarray], itemsize: int, row_bytes: in
     return Packed(digest, table, len(body), file_checksum)
 
 
-def unpack(blobs_dir: Path, digest: str, frames: list[list[int]], file_checksum: str, raw_size: int,
-           itemsize: int, row_bytes: int, *, what: str) -> list[np.ndarray]:
-    """Per-layer raw bytes of a packed extent (checksums of the file and of each frame verified)."""
+def read_body(blobs_dir: Path, digest: str, file_checksum: str, *, what: str) -> memoryview:
+    """A blob's bytes, its file checksum verified (layers are sliced from it without copies)."""
     path = blob_path(blobs_dir, digest)
     try:
-        body = memoryview(io.read_file(path))  # frames are sliced from it without copies
+        body = memoryview(io.read_file(path))
     except FileNotFoundError:
         raise CorruptData(f"{what}: blob {path.name} is missing; the session cannot be restored") from None
     if codec.checksum(body) != file_checksum:
         raise CorruptData(f"{what}: blob {path.name} fails its checksum; the file was damaged")
+    return body
+
+
+def layer_payload(body: memoryview, frames: list[list[int]], layer: int) -> memoryview:
+    offset, size = frames[layer]
+    return body[offset:offset + size]
+
+
+def unpack(blobs_dir: Path, digest: str, frames: list[list[int]], file_checksum: str, raw_size: int,
+           itemsize: int, row_bytes: int, *, what: str) -> list[np.ndarray]:
+    """Per-layer raw bytes of a packed extent (checksums of the file and of each frame verified)."""
+    body = read_body(blobs_dir, digest, file_checksum, what=what)
+    name = blob_path(blobs_dir, digest).name
     return codec.parallel_map(
-        lambda i: codec.unpack_frame(body[frames[i][0]:frames[i][0] + frames[i][1]], raw_size, itemsize, row_bytes,
-                                     what=f"{what}, blob {path.name}, layer {i}"),
+        lambda i: codec.unpack_frame(layer_payload(body, frames, i), raw_size, itemsize, row_bytes,
+                                     what=f"{what}, blob {name}, layer {i}"),
         list(range(len(frames))))

@@ -48,16 +48,18 @@ def _planes(buf, itemsize: int, row_bytes: int) -> np.ndarray:
     return np.ascontiguousarray(rows.transpose(2, 1, 0)).reshape(itemsize, -1)  # [itemsize, channels * T]
 
 
-def _unplanes(planes: list[np.ndarray], itemsize: int, row_bytes: int) -> np.ndarray:
-    """The inverse of `_planes`: the token-major bytes. Byte pairs merge as uint16 (fast path)."""
+def _unplanes(planes: list[np.ndarray], itemsize: int, row_bytes: int, out: np.ndarray) -> np.ndarray:
+    """The inverse of `_planes`, written into `out` (the token-major bytes). Byte pairs merge as uint16."""
     channels = row_bytes // itemsize
     if itemsize == 2:
         elems = planes[1].astype(np.uint16)
         elems <<= 8
         elems |= planes[0]  # [channels * T] uint16, channel-major
-        return np.ascontiguousarray(elems.reshape(channels, -1).T).view(np.uint8).reshape(-1)
+        np.copyto(out.view(np.uint16).reshape(-1, channels), elems.reshape(channels, -1).T)
+        return out
     stacked = np.stack(planes).reshape(itemsize, channels, -1)  # [itemsize, channels, T]
-    return np.ascontiguousarray(stacked.transpose(2, 1, 0)).reshape(-1)
+    np.copyto(out.reshape(-1, channels, itemsize), stacked.transpose(2, 1, 0))
+    return out
 
 
 def pack_frame(buf, itemsize: int, row_bytes: int, level: int = ZSTD_LEVEL) -> bytes:
@@ -69,11 +71,15 @@ def pack_frame(buf, itemsize: int, row_bytes: int, level: int = ZSTD_LEVEL) -> b
     return b"".join(out)
 
 
-def unpack_frame(payload, raw_size: int, itemsize: int, row_bytes: int, *, what: str) -> np.ndarray:
-    """Decompress one layer's payload that must hold exactly raw_size bytes; the raw bytes."""
+def unpack_frame(payload, raw_size: int, itemsize: int, row_bytes: int, *, what: str,
+                 out: np.ndarray | None = None) -> np.ndarray:
+    """Decompress one layer's payload that must hold exactly raw_size bytes: the raw bytes, written
+    into `out` (a writable uint8 array of raw_size bytes, e.g. a cache's rows) when given."""
     payload = memoryview(payload)
+    out = np.empty(raw_size, np.uint8) if out is None else out
     if payload[:4] == ZSTD_MAGIC:
-        return _unshuffle(_inflate(payload, raw_size, what=what), itemsize)
+        out[:] = _unshuffle(_inflate(payload, raw_size, what=what), itemsize)
+        return out
     if raw_size % row_bytes or row_bytes % itemsize:
         raise CorruptData(f"{what}: {raw_size} bytes are not whole token rows of {row_bytes} bytes")
     plane_size, planes, at = raw_size // itemsize, [], 0
@@ -88,7 +94,7 @@ def unpack_frame(payload, raw_size: int, itemsize: int, row_bytes: int, *, what:
         at += n
     if at != len(payload):
         raise CorruptData(f"{what}: {len(payload) - at} stray bytes after the last byte plane")
-    return _unplanes(planes, itemsize, row_bytes)
+    return _unplanes(planes, itemsize, row_bytes, out)
 
 
 def _unshuffle(raw: bytes, itemsize: int) -> np.ndarray:

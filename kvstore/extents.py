@@ -71,25 +71,32 @@ def read_layers(ref: ExtentRef, home: Path, itemsize: int, *, session: str) -> l
     return layers
 
 
+RUN_BLOB_BYTES = 256 << 20  # compressed bytes of the blobs one run holds in memory at most (about)
+
+
 def load_into(cache, refs: list[ExtentRef], home: Path, *, session: str) -> None:
     """Append every referenced extent to `cache` (empty on entry), checksums verified.
 
-    Runs of whole raw extents on a CPU cache are read straight into the cache's memory, one task per
-    layer over the whole run (two threads: the copy and the first touch of fresh pages share the
-    cost); partial ones (a fork's last), packed ones and CUDA caches go through a buffer.
+    On a CPU cache, runs of whole extents, raw or packed, are read or inflated straight into the
+    cache's memory, one task per layer over the whole run (two threads: the copy and the first touch
+    of fresh pages share the cost); partial ones (a fork's last) and CUDA caches go through a buffer.
     """
     itemsize = cache.dtype.itemsize
     run: list[ExtentRef] = []
-    pos = cache.length
+    pos, held = cache.length, 0  # held: compressed bytes of the run's blobs, all in memory at once
     for ref in refs:
         if ref.start != pos:
             raise CorruptData(f"session {session!r}: the index has a gap in its KV at position {pos}")
         pos += ref.n_tokens
-        if ref.blob is None and ref.n_tokens == ref.extent_tokens and cache.device.type == "cpu":
+        if ref.n_tokens == ref.extent_tokens and cache.device.type == "cpu":
+            if held > RUN_BLOB_BYTES:
+                _read_direct(cache, run, home, session)
+                run, held = [], 0
             run.append(ref)
+            held += ref.blob.size if ref.blob is not None else 0
             continue
         _read_direct(cache, run, home, session)
-        run = []
+        run, held = [], 0
         used = ref.n_tokens * ref.token_bytes
         layers = read_layers(ref, home, itemsize, session=session)
         # bytes -> [n_tokens, 2, n_kv_heads, head_dim] in the cache's dtype
@@ -99,18 +106,28 @@ def load_into(cache, refs: list[ExtentRef], home: Path, *, session: str) -> None
 
 
 def _read_direct(cache, run: list[ExtentRef], home: Path, session: str) -> None:
-    """Read a run of consecutive whole raw extents into the cache, each layer's reads in one task."""
+    """Read (raw) or inflate (packed) a run of consecutive whole extents into the cache, each layer's
+    share in one task."""
     if not run:
         return
     end = run[-1].start + run[-1].n_tokens
     cache.reserve(end)
+    itemsize = cache.dtype.itemsize
+    bodies = {ref.extent_id: blobs.read_body(home / "blobs", ref.blob.hash, ref.blob.file_checksum,
+                                             what=f"session {session!r}, extent {ref.extent_id}")
+              for ref in run if ref.blob is not None}
 
     def one(layer: int) -> None:
         for ref in run:
             target = cache.layers[layer][ref.start:ref.start + ref.n_tokens].view(torch.uint8).numpy().reshape(-1)
             what = f"session {session!r}, extent {ref.extent_id}, layer {layer}"
-            segments.read_extent_into(home / "sessions" / ref.segment_id, layer, ref.offset, target, what=what)
-            file = segments.layer_path(Path(ref.segment_id), layer).as_posix()
+            if ref.blob is None:
+                segments.read_extent_into(home / "sessions" / ref.segment_id, layer, ref.offset, target, what=what)
+                file = segments.layer_path(Path(ref.segment_id), layer).as_posix()
+            else:
+                payload = blobs.layer_payload(bodies[ref.extent_id], ref.blob.frames, layer)
+                codec.unpack_frame(payload, ref.raw_size, itemsize, ref.token_bytes, what=what, out=target)
+                file = f"blob {blobs.blob_path(Path('blobs'), ref.blob.hash).as_posix()}"
             segments.verify(target, ref.checksums[layer], what=f"{what} ({file})")
 
     codec.parallel_map(one, list(range(cache.n_layers)), threads=2)

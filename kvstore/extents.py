@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
 from sqlalchemy import select
 from sqlalchemy.orm import Session as DB
 
@@ -97,6 +96,8 @@ def load_into(cache, refs: list[ExtentRef], home: Path, *, session: str) -> None
             continue
         _read_direct(cache, run, home, session)
         run, held = [], 0
+        import torch  # here: gc, pack and verify use this module without a model, and never load torch
+
         used = ref.n_tokens * ref.token_bytes
         layers = read_layers(ref, home, itemsize, session=session)
         # bytes -> [n_tokens, 2, n_kv_heads, head_dim] in the cache's dtype
@@ -119,7 +120,7 @@ def _read_direct(cache, run: list[ExtentRef], home: Path, session: str) -> None:
 
     def one(layer: int) -> None:
         for ref in run:
-            target = cache.layers[layer][ref.start:ref.start + ref.n_tokens].view(torch.uint8).numpy().reshape(-1)
+            target = segments.as_bytes(cache.layers[layer][ref.start:ref.start + ref.n_tokens])  # a view
             what = f"session {session!r}, extent {ref.extent_id}, layer {layer}"
             if ref.blob is None:
                 segments.read_extent_into(home / "sessions" / ref.segment_id, layer, ref.offset, target, what=what)

@@ -14,13 +14,16 @@ import mmap
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from . import codec
 from .errors import CorruptData
 from .fileio import close_all, io, reraise_full
+
+if TYPE_CHECKING:
+    import torch
 
 PAGE = mmap.PAGESIZE
 LAYER_FILE = re.compile(r"layer-(\d{3,})\.kv")
@@ -34,9 +37,11 @@ def align(n: int) -> int:
     return -(-n // PAGE) * PAGE
 
 
-def as_bytes(t: torch.Tensor) -> np.ndarray:
+def as_bytes(t: "torch.Tensor") -> np.ndarray:
     """A contiguous CPU tensor's bytes as a uint8 array (no copy)."""
     assert t.is_contiguous() and t.device.type == "cpu"
+    import torch  # here, not at the top: the index-only commands (list, show, rm, ...) never load torch
+
     return t.reshape(-1).view(torch.uint8).numpy()
 
 
@@ -48,7 +53,7 @@ class Written:
     end: int  # committed_end once this extent is committed
 
 
-def append(directory: Path, committed_end: int, layers: list[torch.Tensor], *, names_synced: bool = False) -> Written:
+def append(directory: Path, committed_end: int, layers: list["torch.Tensor"], *, names_synced: bool = False) -> Written:
     """Write one extent (per layer `[T, 2, n_kv, hd]` CPU tensors) durably after `committed_end`.
 
     The directory and its parent are fsynced when this call creates files, and also whenever the

@@ -22,12 +22,10 @@ from sqlalchemy.orm import Session as DB
 
 from .errors import CorruptData, InvalidName, ModelMismatch, SessionExists, SessionNotFound, StoreMissing
 from .fileio import io, make_dir
-from .generate import DEFAULT_CHUNK
 from .index import (BlobRow, CheckpointRow, ExtentBlobRow, MessageRow, ModelRow, SegmentRow,
                     SessionExtentRow, SessionRow, TokenBlockRow, make_engine, upgrade, utcnow)
 from .locking import SessionLock
 from .paths import home_dir
-from .sampling import SamplerSettings
 from .segments import LAYER_FILE
 
 NAME = re.compile(r"[^\W_][\w.:@+-]{0,127}")
@@ -98,11 +96,15 @@ class Store:
         self.close()
 
     # -- sessions ----------------------------------------------------------------------------------
-    def new(self, name: str, model, *, seed: int = 0, system: str | None = None, chunk_size: int = DEFAULT_CHUNK,
+    def new(self, name: str, model, *, seed: int = 0, system: str | None = None, chunk_size: int | None = None,
             checkpoint_every: int = DEFAULT_CHECKPOINT_EVERY, **sampling):
-        """Create a session (writer lock held) for `model`; sampling settings as SamplerSettings fields."""
+        """Create a session (writer lock held) for `model`; sampling settings as SamplerSettings fields;
+        `chunk_size` defaults to the engine's (`generate.DEFAULT_CHUNK`)."""
+        from .generate import DEFAULT_CHUNK
+        from .sampling import SamplerSettings
         from .session import Session
 
+        chunk_size = DEFAULT_CHUNK if chunk_size is None else chunk_size
         check_name(name)
         settings = SamplerSettings.from_dict(sampling)
         if chunk_size < 1 or checkpoint_every < 1:

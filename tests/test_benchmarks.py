@@ -3,8 +3,6 @@ renders, the README's section is replaced and nothing else, and the plots are wr
 
 from __future__ import annotations
 
-import pytest
-
 from benchmarks import report
 
 

@@ -456,3 +456,21 @@ def test_new_and_continue_on_cuda(model_dir):
     kv("new", "moved", "--model", model_dir, "--raw", "-p", "The fox resumes its run", "-n", "4")
     kv("continue", "moved", "-n", "4", "--device", "cuda")
     assert info("moved")["n_tokens"] == info("whole")["n_tokens"] - 4
+
+
+# -- start-up --------------------------------------------------------------------------------------
+def test_index_only_commands_never_load_torch(model_dir):
+    """list, show, fork, rm and gc read and write the index and files only: they start in about a
+    second instead of paying torch's import (several seconds here)."""
+    import subprocess
+    import sys
+
+    make("doc", model_dir)
+    script = ("import sys\nfrom kvstore_cli.main import cli\n"
+              "for args in (['list'], ['show', 'doc'], ['fork', 'doc', 'side'], ['rm', 'side'],"
+              " ['gc']):\n"
+              "    try:\n        cli(args)\n    except SystemExit as e:\n        assert not e.code, (args, e.code)\n"
+              "assert 'torch' not in sys.modules, 'torch was imported'\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=os.environ.copy())
+    assert done.returncode == 0, done.stderr
+    assert "doc" in done.stdout

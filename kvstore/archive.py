@@ -39,7 +39,7 @@ HEADER = struct.Struct("<8sIIQQ")  # magic, version, flags, manifest length, man
 MAX_MANIFEST = 256 << 20
 MAX_FRAME_RAW = 1 << 30  # one layer of one extent: far above any real one, low enough to allocate
 ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
-FIELDS = {  # every field a version-1 manifest may hold, by section
+FIELDS = {  # every field a manifest (versions 1 and 2) may hold, by section
     "": {"format", "version", "session", "model", "token_bytes", "tokens", "messages", "extents", "data_size"},
     "session": {"name", "seed", "sampler", "chunk_size", "checkpoint_every", "dtype", "kv_layout", "active_call",
                 "n_tokens", "n_cached"},
@@ -286,7 +286,7 @@ def _validate(man: Any, data_size: int, file: str) -> dict[str, Any]:
 
 
 def _unknown_fields(man: dict[str, Any]) -> list[str]:
-    """Dotted names of the manifest's fields that version 1 does not define."""
+    """Dotted names of the manifest's fields that no version defines."""
     def extra(d, section: str, where: str) -> list[str]:
         return [f"{where}{k}" for k in sorted(map(str, d)) if k not in FIELDS[section]] if isinstance(d, dict) else []
 

@@ -113,3 +113,15 @@ def hf_smollm2(smollm2_path):
         model = AutoModelForCausalLM.from_pretrained(str(smollm2_path.parent), gguf_file=smollm2_path.name,
                                                      dtype=torch.float32)
     return model.eval()
+
+
+@pytest.fixture(scope="module")
+def kit(tmp_path_factory, tiny):
+    """The crash-torture kit (tests/test_faults_kit.py) on the tiny GQA Llama, on one torch thread
+    (deterministic and fast for its many short runs); one per test module."""
+    from test_faults_kit import Kit
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield Kit(tmp_path_factory, str(tiny("llama-gqa").folder))
+    torch.set_num_threads(before)

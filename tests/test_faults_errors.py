@@ -9,7 +9,6 @@ from __future__ import annotations
 import errno
 
 import pytest
-import torch
 from sqlalchemy import select
 
 import kvstore
@@ -18,15 +17,7 @@ from faults import SPACE, FaultyIO
 from kvstore import fileio
 from kvstore.errors import StoreFull
 from kvstore.index import SegmentRow, SessionRow
-from test_faults_kit import N_MORE, SETTINGS, Kit
-
-
-@pytest.fixture(scope="module")
-def kit(tmp_path_factory, tiny):
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield Kit(tmp_path_factory, str(tiny("llama-gqa").folder))
-    torch.set_num_threads(before)
+from test_faults_kit import N_MORE, SETTINGS
 
 
 def start(kit, root, first: bool):

@@ -15,15 +15,7 @@ import kvstore
 import store_harness as H
 import test_faults_kit as torture
 from kvstore.errors import KvstoreError, StoreMissing
-from test_faults_kit import SETTINGS, VERBS, Kit
-
-
-@pytest.fixture(scope="module")
-def kit(tmp_path_factory, tiny):
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield Kit(tmp_path_factory, str(tiny("llama-gqa").folder))
-    torch.set_num_threads(before)
+from test_faults_kit import SETTINGS, VERBS
 
 
 def sample(n_ops: int) -> list[int]:

@@ -6,20 +6,11 @@ and is left with no file that gc does not clear (tests/faults.py simulates the d
 from __future__ import annotations
 
 import pytest
-import torch
 
-from test_faults_kit import VERBS, Kit
+from test_faults_kit import VERBS
 
 DATA = ("keep", "drop", "garble")
 DIRS = ("undo", "keep")
-
-
-@pytest.fixture(scope="module")
-def kit(tmp_path_factory, tiny):
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield Kit(tmp_path_factory, str(tiny("llama-gqa").folder))
-    torch.set_num_threads(before)
 
 
 def points(n_syncs: int, salt: int) -> list[int | None]:

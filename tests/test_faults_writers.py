@@ -17,17 +17,8 @@ import kvstore
 import test_faults_kit as torture
 from faults import FaultyIO
 from kvstore import fileio
-from test_faults_kit import Kit
 
 TEXTS = (" The fox resumes its run, keys and values stay cached.", " Quick brown dogs sleep; the cache holds.")
-
-
-@pytest.fixture(scope="module")
-def kit(tmp_path_factory, tiny):
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield Kit(tmp_path_factory, str(tiny("llama-gqa").folder))
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -28,20 +28,12 @@ import torch
 import kvstore
 import test_faults_kit as torture
 from kvstore.errors import KvstoreError
-from test_faults_kit import VERBS, Corrupt, Kit, Lost
+from test_faults_kit import VERBS, Corrupt, Lost
 
 KILLS = int(os.environ.get("KVSTORE_SOAK_KILLS", 1000))
 POWER_LOSSES = int(os.environ.get("KVSTORE_SOAK_POWER_LOSSES", 1000))
 FLIPS = int(os.environ.get("KVSTORE_SOAK_FLIPS", 1000))
 SEED = int(os.environ.get("KVSTORE_SOAK_SEED", 20261130))
-
-
-@pytest.fixture(scope="module")
-def kit(tmp_path_factory, tiny):
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield Kit(tmp_path_factory, str(tiny("llama-gqa").folder))
-    torch.set_num_threads(before)
 
 
 class Tally:

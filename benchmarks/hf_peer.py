@@ -9,19 +9,12 @@ durable, so the peers' saves are made durable too). Restoring ends with a `Dynam
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
 import torch
 
-
-def fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+from kvstore.fileio import fsync_path
 
 
 class HFCacheFile:
@@ -57,7 +50,7 @@ class HFCacheFile:
             for i, (k, v) in enumerate(self.layers):
                 tensors[f"{i}.keys"], tensors[f"{i}.values"] = k.contiguous(), v.contiguous()
             save_file(tensors, str(path))
-        fsync(path)
+        fsync_path(path)
         return time.perf_counter() - start
 
     def restore(self, path: Path) -> float:

@@ -23,6 +23,16 @@ from .errors import StoreFull
 CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
 
+def fsync_path(path, flags: int = 0) -> None:
+    """fsync a file or directory by name. Plain, not through the seam: also for files that are not
+    the store's (pulled models, the converted-weights cache, the benchmarks' peer files)."""
+    fd = os.open(path, os.O_RDONLY | CLOEXEC | flags)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 class PosixIO:
     """Plain file operations. Methods take and return file descriptors and paths."""
 
@@ -97,11 +107,7 @@ class PosixIO:
             return []
 
     def fsync_dir(self, path: Path) -> None:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_path(path, getattr(os, "O_DIRECTORY", 0))
 
     def mkdir(self, path: Path) -> bool:
         """Create a directory (and missing parents, outermost first); True if it was created."""

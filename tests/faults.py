@@ -154,6 +154,11 @@ class FaultyIO(PosixIO):
             hook()
         return None
 
+    def _gate(self, name: str, path) -> None:
+        """`_op`, raising the cued error, for the operations that have nothing to undo on failure."""
+        if (err := self._op(name, path)) is not None:
+            self._raise(err, path)
+
     @staticmethod
     def _raise(err: int, path) -> None:
         raise OSError(err, os.strerror(err), os.fspath(path) if path is not None else None)
@@ -180,8 +185,7 @@ class FaultyIO(PosixIO):
     def open(self, path: Path, *, create: bool = False) -> int:
         key = os.fspath(path)
         new = create and not os.path.lexists(key)
-        if (err := self._op("create" if create else "open", key)) is not None:
-            self._raise(err, key)
+        self._gate("create" if create else "open", key)
         if self.track and new:
             self.files[key] = FileModel(b"")
             self._dirop(DirOp("create", key))
@@ -192,8 +196,7 @@ class FaultyIO(PosixIO):
         return fd
 
     def open_read(self, path: Path) -> int:
-        if (err := self._op("open_read", path)) is not None:
-            self._raise(err, path)
+        self._gate("open_read", path)
         fd = super().open_read(path)
         self.fds[fd] = os.fspath(path)
         return fd
@@ -206,13 +209,11 @@ class FaultyIO(PosixIO):
             self._raise(err, path)
 
     def size(self, fd: int) -> int:
-        if (err := self._op("size", self.fds.get(fd))) is not None:
-            self._raise(err, self.fds.get(fd))
+        self._gate("size", self.fds.get(fd))
         return super().size(fd)
 
     def allocate(self, fd: int, offset: int, length: int) -> None:
-        if (err := self._op("allocate", self.fds.get(fd))) is not None:
-            self._raise(err, self.fds.get(fd))
+        self._gate("allocate", self.fds.get(fd))
         before = os.fstat(fd).st_size
         super().allocate(fd, offset, length)
         if offset + length > before:
@@ -235,8 +236,7 @@ class FaultyIO(PosixIO):
         self._change(fd, Change(offset, data))
 
     def pread_into(self, fd: int, buf, offset: int) -> int:
-        if (err := self._op("pread", self.fds.get(fd))) is not None:
-            self._raise(err, self.fds.get(fd))
+        self._gate("pread", self.fds.get(fd))
         return super().pread_into(fd, buf, offset)
 
     def fsync(self, fd: int) -> None:
@@ -254,35 +254,29 @@ class FaultyIO(PosixIO):
                 m.pending = []
 
     def truncate(self, fd: int, length: int) -> None:
-        if (err := self._op("truncate", self.fds.get(fd))) is not None:
-            self._raise(err, self.fds.get(fd))
+        self._gate("truncate", self.fds.get(fd))
         super().truncate(fd, length)
         self._change(fd, Change(length, None))
 
     # -- names -------------------------------------------------------------------------------------
     def exists(self, path: Path) -> bool:
-        if (err := self._op("exists", path)) is not None:
-            self._raise(err, path)
+        self._gate("exists", path)
         return super().exists(path)
 
     def is_dir(self, path: Path) -> bool:
-        if (err := self._op("is_dir", path)) is not None:
-            self._raise(err, path)
+        self._gate("is_dir", path)
         return super().is_dir(path)
 
     def file_size(self, path: Path) -> int:
-        if (err := self._op("stat", path)) is not None:
-            self._raise(err, path)
+        self._gate("stat", path)
         return super().file_size(path)
 
     def listdir(self, path: Path) -> list[Path]:
-        if (err := self._op("listdir", path)) is not None:
-            self._raise(err, path)
+        self._gate("listdir", path)
         return super().listdir(path)
 
     def fsync_dir(self, path: Path) -> None:
-        if (err := self._op("fsync_dir", path)) is not None:
-            self._raise(err, path)
+        self._gate("fsync_dir", path)
         super().fsync_dir(path)
         key = os.fspath(path)
         with self._mutex:
@@ -293,8 +287,7 @@ class FaultyIO(PosixIO):
             return super().mkdir(path)  # nothing to create: the call only looks
         if not os.path.isdir(path.parent):
             self.mkdir(path.parent)
-        if (err := self._op("mkdir", path)) is not None:
-            self._raise(err, path)
+        self._gate("mkdir", path)
         created = super().mkdir(path)
         if created:
             self._dirop(DirOp("mkdir", os.fspath(path)))
@@ -302,8 +295,7 @@ class FaultyIO(PosixIO):
 
     def rename(self, src: Path, dst: Path) -> None:
         s, d = os.fspath(src), os.fspath(dst)
-        if (err := self._op("rename", d)) is not None:
-            self._raise(err, d)
+        self._gate("rename", d)
         if self.track:
             moved = self._model(s)
             replaced = self.files.pop(d, None) if os.path.lexists(d) else None
@@ -317,8 +309,7 @@ class FaultyIO(PosixIO):
 
     def unlink(self, path: Path) -> None:
         key = os.fspath(path)
-        if (err := self._op("unlink", key)) is not None:
-            self._raise(err, key)
+        self._gate("unlink", key)
         if not os.path.lexists(key):
             return
         saved = self._model(key) if self.track else None
@@ -328,8 +319,7 @@ class FaultyIO(PosixIO):
             self._dirop(DirOp("unlink", key, saved=saved))
 
     def rmdir(self, path: Path) -> None:
-        if (err := self._op("rmdir", path)) is not None:
-            self._raise(err, path)
+        self._gate("rmdir", path)
         existed = os.path.isdir(path)
         super().rmdir(path)
         if existed:
@@ -338,8 +328,7 @@ class FaultyIO(PosixIO):
     def lock(self, path: Path, *, shared: bool = False, wait: bool = False) -> int:
         key = os.fspath(path)
         new = not os.path.lexists(key)
-        if (err := self._op("lock", key)) is not None:
-            self._raise(err, key)
+        self._gate("lock", key)
         if self.track and new:
             self.files[key] = FileModel(b"")
             self._dirop(DirOp("create", key))

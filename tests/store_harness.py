@@ -98,9 +98,10 @@ def child_new_document(home: str, model_path: str, name: str, text: str, chunk_s
     conn.send(("done", len(session.tokens)))
 
 
-def start(target, *args):
-    """Run target(*args, conn) in a child; returns (process, parent end of the pipe)."""
-    ctx = context()
+def start(target, *args, ctx=None):
+    """Run target(*args, conn) in a child (of `ctx`, else this module's forkserver); returns
+    (process, parent end of the pipe)."""
+    ctx = ctx or context()
     parent, child = ctx.Pipe(duplex=False)
     proc = ctx.Process(target=target, args=(*args, child), daemon=True)
     proc.start()

@@ -338,13 +338,8 @@ def context():
 
 
 def start(target, *args):
-    """Run target(*args, conn) in a child of our forkserver; returns (process, parent end of the pipe)."""
-    ctx = context()
-    parent, child = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=target, args=(*args, child), daemon=True)
-    proc.start()
-    child.close()
-    return proc, parent
+    """`store_harness.start` in a child of our forkserver (its preloads include the torture kit)."""
+    return H.start(target, *args, ctx=context())
 
 
 def kill_trial(template: Path, root: Path, model_path: str, model, ref: Reference, verb: str,

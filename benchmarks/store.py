@@ -65,25 +65,31 @@ def store_files(store) -> list[Path]:
     return [*(home / "sessions").rglob("layer-*.kv"), *(p for p in (home / "blobs").glob("*") if p.is_file())]
 
 
-def build_session(store, model, name: str, ids: list[int]) -> float:
-    """Create `name` holding ids (prefilled); returns the seconds its checkpoints took, summed."""
-    spent = [0.0]
-    session = store.new(name, model)
-    commit = session.checkpoint
+def time_checkpoints(session) -> list[tuple[float, float]]:
+    """From now on, the (start, end) of each of the session's checkpoints, timed where they happen
+    (the per-chunk commits of a prefill, the automatic ones of generate)."""
+    spans, commit = [], session.checkpoint
 
     def timed(*args, **kwargs):
         start = time.perf_counter()
         try:
             return commit(*args, **kwargs)
         finally:
-            spent[0] += time.perf_counter() - start
+            spans.append((start, time.perf_counter()))
 
-    session.checkpoint = timed  # the prefill's per-chunk commits, counted where they happen
+    session.checkpoint = timed
+    return spans
+
+
+def build_session(store, model, name: str, ids: list[int]) -> float:
+    """Create `name` holding ids (prefilled); returns the seconds its checkpoints took, summed."""
+    session = store.new(name, model)
+    spans = time_checkpoints(session)
     try:
         session.append_tokens(ids)
     finally:
         session.close()
-    return spent[0]
+    return sum(end - start for start, end in spans)
 
 
 def timed_open(store, model, name: str) -> float:
@@ -229,16 +235,7 @@ def decode_rate(store, model, parent: str, n_new: int) -> tuple[float, float]:
     name = f"{parent}-{time.monotonic_ns()}"
     store.fork(parent, name)
     with store.open(name, model) as session:
-        spans, commit = [], session.checkpoint
-
-        def timed(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return commit(*args, **kwargs)
-            finally:
-                spans.append((start, time.perf_counter()))
-
-        session.checkpoint = timed  # the automatic checkpoints of generate, timed where they happen
+        spans = time_checkpoints(session)
         stamps = []
         for _ in session.generate(n_new, stop_at_eos=False):
             stamps.append(time.perf_counter())

@@ -66,7 +66,7 @@ def pack_frame(buf, itemsize: int, row_bytes: int, level: int = ZSTD_LEVEL) -> b
     compressor = zstandard.ZstdCompressor(level=level, write_checksum=True, write_content_size=True)
     out = []
     for plane in _planes(buf, itemsize, row_bytes):
-        frame = compressor.compress(plane.tobytes())
+        frame = compressor.compress(plane)  # a contiguous row: no copy
         out += [LENGTH.pack(len(frame)), frame]
     return b"".join(out)
 

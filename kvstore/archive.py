@@ -23,6 +23,7 @@ import xxhash
 from sqlalchemy import select
 
 from . import codec, segments
+from .codec import ITEMSIZE
 from .errors import CorruptData, KvstoreError, ModelMismatch, SessionExists, UnsupportedFormat
 from .extents import read_layers, session_extents
 from .fileio import io
@@ -38,7 +39,6 @@ READABLE = (1, 2)  # versions 1 and 2 differ only in the payload encoding, which
 HEADER = struct.Struct("<8sIIQQ")  # magic, version, flags, manifest length, manifest xxh3-64
 MAX_MANIFEST = 256 << 20
 MAX_FRAME_RAW = 1 << 30  # one layer of one extent: far above any real one, low enough to allocate
-ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
 FIELDS = {  # every field a manifest (versions 1 and 2) may hold, by section
     "": {"format", "version", "session", "model", "token_bytes", "tokens", "messages", "extents", "data_size"},
     "session": {"name", "seed", "sampler", "chunk_size", "checkpoint_every", "dtype", "kv_layout", "active_call",

@@ -28,6 +28,7 @@ from .errors import CorruptData
 ZSTD_LEVEL = 1
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 LENGTH = struct.Struct("<I")  # each plane frame's length, before it
+ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}  # bytes per element of each KV dtype the store keeps
 
 
 def checksum(buf) -> str:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from sqlalchemy import select
 
-from . import blobs, segments
+from . import blobs, codec, segments
 from .extents import read_layers, session_extents
 from .index import BlobRow, ExtentBlobRow, ExtentRow, SessionRow
 from .fileio import io, reraise_full
@@ -21,7 +21,7 @@ def pack_session(store, session_id: str, name: str) -> dict[str, int]:
     """Pack every unpacked extent of the session; returns raw and packed byte counts."""
     with store.db() as db:
         refs = [r for r in session_extents(db, session_id) if r.blob is None]
-        dtype_size = _itemsize(db.get(SessionRow, session_id).dtype)
+        dtype_size = codec.ITEMSIZE[db.get(SessionRow, session_id).dtype]
     raw_bytes = packed_bytes = 0
     new_rows = []
     lock = blobs.hold(store.home, shared=True)  # no gc deletes a blob between its write and our commit
@@ -81,7 +81,3 @@ def free_packed_segment(store, segment_id: str) -> bool:
     except OSError:  # the extents are packed and committed: what is left, the next gc frees
         return False
     return True
-
-
-def _itemsize(dtype: str) -> int:
-    return {"bfloat16": 2, "float16": 2, "float32": 4}[dtype]

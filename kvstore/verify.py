@@ -10,12 +10,11 @@ from __future__ import annotations
 
 from sqlalchemy import func, select
 
+from .codec import ITEMSIZE
 from .errors import CorruptData
 from .extents import read_layers, session_extents
 from .index import CheckpointRow, ModelRow, SessionRow
 from .store import read_tokens
-
-ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
 def verify_store(store, name: str | None = None) -> dict[str, list[str]]:

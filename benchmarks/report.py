@@ -109,7 +109,9 @@ def ttft_section(r: dict) -> list[str]:
     lines = ["## Time to first token: resume vs recompute", "",
              "Recompute: prefill the session's tokens from scratch in memory, then sample one token. "
              "Resume: `store.open` (restore from disk, checksums verified) of a fork of the session, then "
-             "one token. Restore alone: warm page cache / files evicted from it (cold).", "",
+             "one token. Restore alone: warm (page cache warm, the memory of the previous session reused, as a "
+             "pipeline opening fork after fork does) / cold (files evicted from the page cache and no memory to "
+             "reuse: a new process's first open).", "",
              "| tokens | recompute + 1st token | resume + 1st token | restore, warm | restore, cold | speedup |",
              "|---:|---:|---:|---:|---:|---:|"]
     for n, x in t.items():
@@ -163,7 +165,9 @@ def save_section(r: dict) -> list[str]:
              "transformers' `DynamicCache` from a real HF prefill, written with `torch.save` or safetensors "
              "and read back into a `DynamicCache`; llama.cpp's `llama_state_seq_save_file` / `_load_file`. "
              "Every save ends with its bytes fsynced (kvstore's checkpoints are durable; the peers' files get "
-             "an fsync). Restore warm: just written; cold: the files evicted from the page cache first.", ""]
+             "an fsync). Restore warm: just written (kvstore reuses the memory of the session it closed before, as "
+             "llama.cpp restores into the KV buffer its context holds); cold: the files evicted from the page cache "
+             "first, and for kvstore no memory to reuse.", ""]
     for n, methods in r["save_restore"].items():
         raw = int(n) * r["settings"]["kv_bytes_per_token"]
         lines += [f"**{label(n)} tokens** (raw bf16 KV: {mb(raw)})", "",

@@ -49,6 +49,11 @@ class Sequence:
         self.stop_reason: str | None = None
         assert self.cache.length <= len(self.tokens)
 
+    def close(self) -> None:
+        """Done with this sequence: its cache's memory goes to the next cache (`cache.POOL`). The
+        tokens stay readable; generating again starts from an empty cache (all tokens pending)."""
+        self.cache.release()
+
     @property
     def pending(self) -> list[int]:
         return self.tokens[self.cache.length:]

@@ -313,11 +313,13 @@ class Session:
         return pack_session(self.store, self.id, self.name)
 
     def close(self) -> None:
+        """Checkpoint, release the lock, and hand the cache's memory to the next session opened."""
         if self.lock.held:
             try:
                 self.checkpoint("close")
             finally:
                 self.lock.release()
+                self.seq.close()
 
     def __enter__(self) -> "Session":
         return self

@@ -67,6 +67,25 @@ def test_close_and_reopen_in_the_same_process(tmp_path, model, mode, reference):
         assert_matches(reference, s.tokens, H.read_trace(trace))
 
 
+def test_resume_into_reused_memory_full_of_nans(tmp_path, model, mode, reference):
+    """The restored cache's memory comes from a closed session (`cache.POOL`): whatever it held,
+    here NaN in every byte, never reaches a logit."""
+    from kvstore.cache import POOL
+
+    store, s = new_session(tmp_path / "home", model, mode)
+    trace = tmp_path / "t.jsonl"
+    list(s.generate(N_NEW // 2, trace=trace, stop_at_eos=False))
+    s.close()
+    store.open("s", model).close()  # leaves memory the size of a restored cache in the pool
+    for buf in POOL._free:
+        buf.fill_(0xFF)  # bfloat16 0xFFFF is a NaN
+    dirty = {buf.data_ptr() for buf in POOL._free}
+    with store.open("s", model) as s:
+        assert {t.untyped_storage().data_ptr() for t in s.seq.cache.layers} <= dirty
+        list(s.generate(N_NEW - N_NEW // 2, trace=trace, stop_at_eos=False))
+        assert_matches(reference, s.tokens, H.read_trace(trace))
+
+
 def test_resume_in_a_new_process(tmp_path, model_path, model, mode, reference):
     store, s = new_session(tmp_path / "home", model, mode)
     s.close()

@@ -1,0 +1,88 @@
+"""The memory pool (kvstore.cache.POOL): a closed session's or sequence's cache memory goes to the
+next cache of the process, best fit, within the pool's limit; what that memory held before never
+shows in a later cache (contract C1 over reused memory is in test_store_resume.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvstore
+from kvstore.cache import KVCache, MemoryPool, POOL
+
+
+@pytest.fixture(autouse=True)
+def empty_pool():
+    POOL.clear()
+    yield
+    POOL.clear()
+
+
+@pytest.fixture(scope="module")
+def model(tiny):
+    return kvstore.load_model(tiny("llama-gqa").folder)
+
+
+def buffers(pool: MemoryPool) -> list[int]:
+    return sorted(b.numel() for b in pool._free)
+
+
+def test_the_pool_hands_out_the_smallest_buffer_that_fits_and_keeps_within_its_limit():
+    pool = MemoryPool(limit=1000)
+    for n in (100, 400, 300):
+        pool.give(torch.empty(n, dtype=torch.uint8))
+    assert pool.take(250).numel() == 300
+    assert pool.take(500) is None
+    assert buffers(pool) == [100, 400]
+    pool.give(torch.empty(2000, dtype=torch.uint8))  # larger than the limit: not kept
+    assert buffers(pool) == [100, 400]
+    pool.give(torch.empty(700, dtype=torch.uint8))  # over the limit together: the oldest go first
+    assert buffers(pool) == [700] and pool.held == 700
+    pool.clear()
+    assert pool.held == 0
+
+
+def test_a_released_cache_gives_its_memory_to_the_next_one():
+    cache = KVCache(3, 2, 8, dtype=torch.bfloat16, capacity=300)
+    cache.layers[0][:10] = 1
+    cache.advance(10)
+    used = {t.untyped_storage().data_ptr() for t in cache.layers}
+    cache.release()
+    assert cache.length == 0 and cache.capacity == 0 and POOL.held >= 3 * 300 * 2 * 2 * 8 * 2
+    again = KVCache(3, 2, 8, dtype=torch.bfloat16, capacity=300)
+    assert {t.untyped_storage().data_ptr() for t in again.layers} == used
+    assert again.length == 0 and again.state()[0].shape == (0, 2, 2, 8)
+
+
+def test_growing_a_cache_keeps_its_tokens_and_pools_the_old_memory():
+    cache = KVCache(2, 1, 4, dtype=torch.float32, capacity=256)
+    rows = torch.randn(200, 2, 1, 4)
+    for layer in range(2):
+        cache.write(layer, 0, rows)
+    cache.advance(200)
+    cache.reserve(600)
+    assert cache.capacity >= 600 and all(torch.equal(s, rows) for s in cache.state())
+    assert buffers(POOL) == [256 * 2 * 4 * 4] * 2
+
+
+def test_closing_a_session_pools_its_memory_for_the_next_open(tmp_path, model):
+    store = kvstore.open_store(tmp_path / "home")
+    with store.new("a", model) as s:
+        s.append_text("Once upon a time the cache was written to disk.")
+        list(s.generate(4, stop_at_eos=False))
+    assert POOL.held > 0
+    store.fork("a", "b")
+    with store.open("a", model) as a:  # a restored cache has room beyond its tokens: more than "a" grew to
+        used = {t.untyped_storage().data_ptr() for t in a.seq.cache.layers}
+    with store.open("b", model) as b:
+        assert {t.untyped_storage().data_ptr() for t in b.seq.cache.layers} == used
+        assert b.tokens == store.tokens("a")
+
+
+def test_a_closed_sequence_keeps_its_tokens_and_recomputes_from_them(model):
+    ids = model.tokenizer.encode("A sequence that is closed and then asked again.")
+    seq = kvstore.Sequence(model, tokens=ids)
+    first = seq.next_logits()
+    seq.close()
+    assert seq.tokens == ids and seq.cache.length == 0 and seq.pending == ids
+    assert torch.equal(seq.next_logits(), first)

@@ -77,13 +77,22 @@ def pack(blobs_dir: Path, layers: list[np.ndarray], itemsize: int, row_bytes: in
     return Packed(digest, table, len(body), file_checksum)
 
 
-def read_body(blobs_dir: Path, digest: str, file_checksum: str, *, what: str) -> memoryview:
-    """A blob's bytes, its file checksum verified (layers are sliced from it without copies)."""
+def read_body(blobs_dir: Path, digest: str, file_checksum: str, *, what: str,
+              into: np.ndarray | None = None) -> memoryview:
+    """A blob's bytes, its file checksum verified (layers are sliced from it without copies); read
+    into `into` (a writable uint8 array: memory already written to, which reads faster) when the file
+    fits in it."""
     path = blob_path(blobs_dir, digest)
     try:
-        body = memoryview(io.read_file(path))
+        fd = io.open_read(path)
     except FileNotFoundError:
         raise CorruptData(f"{what}: blob {path.name} is missing; the session cannot be restored") from None
+    try:
+        size = io.size(fd)
+        buf = into[:size] if into is not None and size <= into.size else bytearray(size)
+        body = memoryview(buf)[:io.pread_into(fd, buf, 0)]
+    finally:
+        io.close(fd)
     if codec.checksum(body) != file_checksum:
         raise CorruptData(f"{what}: blob {path.name} fails its checksum; the file was damaged")
     return body

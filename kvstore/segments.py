@@ -130,29 +130,29 @@ def truncate_uncommitted(directory: Path, committed_end: int) -> None:
 def read_extent(directory: Path, layer: int, offset: int, nbytes: int, *, what: str) -> np.ndarray:
     """The raw bytes of one layer of an extent; CorruptData if the file is missing or short."""
     data = np.empty(nbytes, dtype=np.uint8)
-    read_extent_into(directory, layer, offset, data, what=what)
+    read_extents_into(directory, layer, [(offset, data, what)])
     return data
 
 
-def read_extent_into(directory: Path, layer: int, offset: int, data: np.ndarray, *, what: str) -> None:
-    """Fill `data` (a writable uint8 array) from one layer file at `offset`."""
-    nbytes = data.nbytes
+def read_extents_into(directory: Path, layer: int, parts: list[tuple[int, np.ndarray, str]]) -> None:
+    """Fill each `data` (a writable uint8 array) from one layer file at its `offset`, the file
+    opened once; `what` names the extent in the CorruptData of a missing, short or truncated file."""
     path = layer_path(directory, layer)
     try:
         fd = io.open_read(path)
     except FileNotFoundError:
-        raise CorruptData(f"{what}: file {path.name} is missing; the session cannot be restored "
+        raise CorruptData(f"{parts[0][2]}: file {path.name} is missing; the session cannot be restored "
                           "(restore it from an export, or delete it)") from None
     try:
         size = io.size(fd)
-        if size < offset + nbytes:
-            raise CorruptData(f"{what}: file {path.name} is truncated ({size} bytes, the extent needs "
-                              f"{offset + nbytes}); the session cannot be restored")
-        got = io.pread_into(fd, data, offset)
+        for offset, data, what in parts:
+            if size < offset + data.nbytes:
+                raise CorruptData(f"{what}: file {path.name} is truncated ({size} bytes, the extent needs "
+                                  f"{offset + data.nbytes}); the session cannot be restored")
+            if io.pread_into(fd, data, offset) != data.nbytes:
+                raise CorruptData(f"{what}: short read from {path.name}")
     finally:
         io.close(fd)
-    if got != nbytes:
-        raise CorruptData(f"{what}: short read from {path.name}")
 
 
 def verify(data: np.ndarray, expected: str, *, what: str) -> None:

@@ -3,7 +3,8 @@
 Layout: magic `\\x89KVS\\r\\n\\x1a\\n`, u32 version, u32 flags, u64 manifest length, u64 xxh3-64 of
 the manifest, the manifest (UTF-8 JSON), then the data region: one compressed payload (`codec`) per
 extent and layer, at the offsets the manifest lists, each with its raw size and raw xxh3-64.
-Version 2 payloads are byte-plane frames; version 1 (still read) had one shuffled frame each.
+Version 3 payloads are byte planes in token order; versions 2 (planes channel-major) and 1 (one
+shuffled frame each) are still read.
 Import checks the magic, version, sizes, every frame's declared size (before inflating it) and
 checksum, the model fingerprint and the KV layout before anything is committed; a failure leaves
 the store as it was. Nothing in an archive is a path, and nothing is unpickled.
@@ -34,8 +35,8 @@ from .sampling import SamplerSettings
 from .store import check_name, encode_tokens, read_tokens
 
 MAGIC = b"\x89KVS\r\n\x1a\n"
-VERSION = 2
-READABLE = (1, 2)  # versions 1 and 2 differ only in the payload encoding, which `codec` tells apart
+VERSION = 3
+READABLE = (1, 2, 3)  # they differ only in the payload encoding, which `codec` tells apart
 HEADER = struct.Struct("<8sIIQQ")  # magic, version, flags, manifest length, manifest xxh3-64
 MAX_MANIFEST = 256 << 20
 MAX_FRAME_RAW = 1 << 30  # one layer of one extent: far above any real one, low enough to allocate

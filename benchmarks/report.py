@@ -58,7 +58,7 @@ def targets(r: dict) -> list[dict]:
     theirs = r.get("save_restore", {}).get("2048", {}).get("llama.cpp state file (seq save / load)")
     limit = theirs["restore_s"]["median"] * 1e3 if theirs else LLAMA_RESTORE_EARLIER_MS
     where = "llama.cpp's, measured in this run" if theirs else "llama.cpp's, measured earlier (not run here)"
-    add("restore of a 2,048-token session (warm page cache)", ours and ours["restore_s"]["median"] * 1e3,
+    add("restore of a 2,048-token session (warm: page cache, reused memory)", ours and ours["restore_s"]["median"] * 1e3,
         ours and span(ours["restore_s"], 1e3, unit=" ms"), f"≤ {limit:.1f} ms ({where})", lambda v: v <= limit)
     ck = r.get("checkpoint", {}).get("every", {}).get("16")
     add("decode overhead of a checkpoint every 16 tokens: time inside the checkpoints",
@@ -165,9 +165,9 @@ def save_section(r: dict) -> list[str]:
              "transformers' `DynamicCache` from a real HF prefill, written with `torch.save` or safetensors "
              "and read back into a `DynamicCache`; llama.cpp's `llama_state_seq_save_file` / `_load_file`. "
              "Every save ends with its bytes fsynced (kvstore's checkpoints are durable; the peers' files get "
-             "an fsync). Restore warm: just written (kvstore reuses the memory of the session it closed before, as "
-             "llama.cpp restores into the KV buffer its context holds); cold: the files evicted from the page cache "
-             "first, and for kvstore no memory to reuse.", ""]
+             "an fsync). Restore cold: the files evicted from the page cache first, and for kvstore no memory to "
+             "reuse (a new process's first open); warm: the next restore, page cache warm (kvstore reuses the "
+             "memory of the session it closed, as llama.cpp restores into the KV buffer its context holds).", ""]
     for n, methods in r["save_restore"].items():
         raw = int(n) * r["settings"]["kv_bytes_per_token"]
         lines += [f"**{label(n)} tokens** (raw bf16 KV: {mb(raw)})", "",

@@ -140,23 +140,20 @@ def _fill(cache, run: list[ExtentRef], home: Path, session: str, bodies: dict[in
     dest = [segments.as_bytes(cache.layers[layer][first:end]) for layer in range(cache.n_layers)]
 
     def one(layer: int) -> None:
-        raw: dict[str, list] = {}  # segment -> its extents' (offset, target, what): one open per file
-        checks = []
+        raw: dict[str, list[segments.ExtentRead]] = {}  # per segment: one open of its layer file
         for ref in run:
             a = (ref.start - first) * ref.token_bytes
             target = dest[layer][a:a + ref.n_tokens * ref.token_bytes]  # a view
             what = f"session {session!r}, extent {ref.extent_id}, layer {layer}"
             if ref.blob is None:
-                raw.setdefault(ref.segment_id, []).append((ref.offset, target, what))
-                file = segments.layer_path(Path(ref.segment_id), layer).as_posix()
-            else:
-                payload = blobs.layer_payload(bodies[ref.extent_id], ref.blob.frames, layer)
-                codec.unpack_frame(payload, ref.raw_size, itemsize, ref.token_bytes, what=what, out=target)
-                file = f"blob {blobs.blob_path(Path('blobs'), ref.blob.hash).as_posix()}"
-            checks.append((target, ref.checksums[layer], f"{what} ({file})"))
-        for segment, parts in raw.items():
-            segments.read_extents_into(home / "sessions" / segment, layer, parts)
-        for target, expected, what in checks:
-            segments.verify(target, expected, what=what)
+                raw.setdefault(ref.segment_id, []).append(segments.ExtentRead(ref.offset, target, what,
+                                                                              ref.checksums[layer]))
+                continue
+            payload = blobs.layer_payload(bodies[ref.extent_id], ref.blob.frames, layer)
+            codec.unpack_frame(payload, ref.raw_size, itemsize, ref.token_bytes, what=what, out=target)
+            file = blobs.blob_path(Path("blobs"), ref.blob.hash).as_posix()
+            segments.verify(target, ref.checksums[layer], what=f"{what} (blob {file})")
+        for segment, reads in raw.items():  # each verified as soon as it is read
+            segments.read_extents_into(home / "sessions" / segment, layer, reads)
 
     codec.parallel_map(one, list(range(cache.n_layers)), threads=2)

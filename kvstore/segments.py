@@ -127,30 +127,44 @@ def truncate_uncommitted(directory: Path, committed_end: int) -> None:
                 io.close(fd)
 
 
+@dataclass
+class ExtentRead:
+    """One layer of one extent to read: `data` (a writable uint8 array) filled from `offset`, then
+    checked against `checksum` when one is given; `what` names the extent in errors."""
+
+    offset: int
+    data: np.ndarray
+    what: str
+    checksum: str | None = None
+
+
 def read_extent(directory: Path, layer: int, offset: int, nbytes: int, *, what: str) -> np.ndarray:
     """The raw bytes of one layer of an extent; CorruptData if the file is missing or short."""
     data = np.empty(nbytes, dtype=np.uint8)
-    read_extents_into(directory, layer, [(offset, data, what)])
+    read_extents_into(directory, layer, [ExtentRead(offset, data, what)])
     return data
 
 
-def read_extents_into(directory: Path, layer: int, parts: list[tuple[int, np.ndarray, str]]) -> None:
-    """Fill each `data` (a writable uint8 array) from one layer file at its `offset`, the file
-    opened once; `what` names the extent in the CorruptData of a missing, short or truncated file."""
+def read_extents_into(directory: Path, layer: int, reads: list[ExtentRead]) -> None:
+    """Fill each read's `data` from one layer file, opened once, and check each one's checksum as
+    soon as it is read, while its bytes are still in the CPU's cache. CorruptData names the extent
+    and the file when the file is missing, short or truncated, or the bytes are not what was written."""
     path = layer_path(directory, layer)
     try:
         fd = io.open_read(path)
     except FileNotFoundError:
-        raise CorruptData(f"{parts[0][2]}: file {path.name} is missing; the session cannot be restored "
+        raise CorruptData(f"{reads[0].what}: file {path.name} is missing; the session cannot be restored "
                           "(restore it from an export, or delete it)") from None
     try:
         size = io.size(fd)
-        for offset, data, what in parts:
-            if size < offset + data.nbytes:
-                raise CorruptData(f"{what}: file {path.name} is truncated ({size} bytes, the extent needs "
-                                  f"{offset + data.nbytes}); the session cannot be restored")
-            if io.pread_into(fd, data, offset) != data.nbytes:
-                raise CorruptData(f"{what}: short read from {path.name}")
+        for r in reads:
+            if size < r.offset + r.data.nbytes:
+                raise CorruptData(f"{r.what}: file {path.name} is truncated ({size} bytes, the extent needs "
+                                  f"{r.offset + r.data.nbytes}); the session cannot be restored")
+            if io.pread_into(fd, r.data, r.offset) != r.data.nbytes:
+                raise CorruptData(f"{r.what}: short read from {path.name}")
+            if r.checksum is not None:
+                verify(r.data, r.checksum, what=f"{r.what} ({directory.name}/{path.name})")
     finally:
         io.close(fd)
 

@@ -77,6 +77,9 @@ def pack(blobs_dir: Path, layers: list[np.ndarray], itemsize: int, row_bytes: in
     return Packed(digest, table, len(body), file_checksum)
 
 
+READ_PIECE = 1 << 20  # bytes of a blob read and hashed at a time
+
+
 def read_body(blobs_dir: Path, digest: str, file_checksum: str, *, what: str,
               into: np.ndarray | None = None) -> memoryview:
     """A blob's bytes, its file checksum verified (layers are sliced from it without copies); read
@@ -90,10 +93,17 @@ def read_body(blobs_dir: Path, digest: str, file_checksum: str, *, what: str,
     try:
         size = io.size(fd)
         buf = into[:size] if into is not None and size <= into.size else bytearray(size)
-        body = memoryview(buf)[:io.pread_into(fd, buf, 0)]
+        body, hasher, at = memoryview(buf).cast("B"), codec.checksummer(), 0
+        while at < size:  # hashed piece by piece as it is read, while each piece is in the CPU's cache
+            n = io.pread_into(fd, body[at:at + READ_PIECE], at)
+            if n == 0:
+                break
+            hasher.update(body[at:at + n])
+            at += n
+        body = body[:at]
     finally:
         io.close(fd)
-    if codec.checksum(body) != file_checksum:
+    if hasher.hexdigest() != file_checksum:
         raise CorruptData(f"{what}: blob {path.name} fails its checksum; the file was damaged")
     return body
 

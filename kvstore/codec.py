@@ -41,6 +41,11 @@ def checksum(buf) -> str:
     return xxhash.xxh3_64_hexdigest(memoryview(buf).cast("B"))
 
 
+def checksummer():
+    """`checksum` piece by piece: `update(piece)` in order, then `hexdigest()` equals checksum(whole)."""
+    return xxhash.xxh3_64()
+
+
 def _planes(buf, itemsize: int) -> np.ndarray:
     """Token-major bytes -> `[itemsize, n_elements]` byte planes, lowest byte first."""
     if itemsize not in UINT:

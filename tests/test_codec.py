@@ -91,3 +91,11 @@ def test_damaged_payloads_are_refused():
             codec.unpack_frame(payload, raw.size, 2, row_bytes, what=why)
     with pytest.raises(CorruptData, match="whole token rows"):
         codec.unpack_frame(good, raw.size - 1, 2, row_bytes, what="odd size")
+
+
+def test_a_checksum_taken_piece_by_piece_is_the_checksum_of_the_whole():
+    raw, _, _ = kv_bytes(torch.bfloat16)
+    hasher = codec.checksummer()
+    for start in range(0, raw.size, 100):
+        hasher.update(raw[start:start + 100])
+    assert hasher.hexdigest() == codec.checksum(raw)

@@ -117,7 +117,7 @@ def truncate_uncommitted(directory: Path, committed_end: int) -> None:
     for path in io.listdir(directory):
         if path.name.endswith(".tmp"):
             io.unlink(path)
-        elif LAYER_FILE.fullmatch(path.name):
+        elif LAYER_FILE.fullmatch(path.name) and io.file_size(path) > committed_end:  # a stat: opens are rarer
             fd = io.open(path)
             try:
                 if io.size(fd) > committed_end:

@@ -85,9 +85,9 @@ class KVCache:
         self.n_layers, self.n_kv_heads, self.head_dim = n_layers, n_kv_heads, head_dim
         self.dtype, self.device = dtype, torch.device(device)
         self._flat: list[torch.Tensor | None] = [None] * n_layers  # each layer's pooled buffer (CPU)
-        self.layers: list[torch.Tensor] = [self._empty(0) for _ in range(n_layers)]
+        capacity = -(-capacity // GROW_STEP) * GROW_STEP  # what `reserve` would give an empty cache
+        self.layers: list[torch.Tensor] = [self._empty(capacity, i) for i in range(n_layers)]
         self.length = 0
-        self.reserve(capacity)
 
     @property
     def capacity(self) -> int:

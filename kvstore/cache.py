@@ -61,6 +61,8 @@ class MemoryPool:
         if buf.numel() == 0 or buf.numel() > self.limit:
             return
         with self._lock:
+            if any(b is buf for b in self._free):
+                return  # given twice: handing it out twice would make two caches share memory
             self._free.append(buf)
             while sum(b.numel() for b in self._free) > self.limit:
                 self._free.pop(0)

@@ -8,8 +8,8 @@
   planes compress well and mantissa planes hardly at all: separate frames let zstd store the latter
   raw, so inflating is mostly copies, and merging the planes back is one pass over the output.
 - Two earlier encodings are still read: the same planes taken channel-major, without the mark
-  (archive format 2, blobs written by kvstore 0.1 after the first), and one zstd frame of the
-  token-major bytes byte-shuffled (archive format 1, the first blobs); each starts differently.
+  (archive format 2 and the blobs packed in that time), and one zstd frame of the token-major bytes
+  byte-shuffled (archive format 1, the first blobs); each starts differently (docs/FORMATS.md).
 - `unpack_frame` never allocates more than the caller's expected size: a frame whose header
   declares another size, or that inflates past it, is refused (`CorruptData`).
 """

@@ -38,6 +38,8 @@ def test_the_pool_hands_out_the_smallest_buffer_that_fits_and_keeps_within_its_l
     assert buffers(pool) == [100, 400]
     pool.give(torch.empty(700, dtype=torch.uint8))  # over the limit together: the oldest go first
     assert buffers(pool) == [700] and pool.held == 700
+    pool.give(pool._free[0])  # the same buffer twice is held once
+    assert buffers(pool) == [700]
     pool.clear()
     assert pool.held == 0
 

@@ -6,18 +6,17 @@ the model's device. Token-major makes a checkpoint's new range one contiguous bl
 capacity, so attention reads identical views before and after a resume. Capacity grows in fixed
 steps; `length` counts the positions whose K/V are valid in every layer.
 
-On the CPU a cache's memory comes from, and goes back to, `POOL`: writing into fresh memory costs
-one page fault per 4 KiB page, which on this kind of VM makes a restore several times slower than
-the copy itself (47 MB: 40 ms into fresh pages, 8 ms into reused ones). `release()` hands a cache's
-buffers to the next cache of the process (the next fork opened, the next question asked), much as
-llama.cpp restores into the KV buffer its context already holds.
+On the CPU a cache's memory comes from, and goes back to, `POOL` (a `buffers.BufferPool`): memory
+written before fills several times faster than fresh pages. `release()` hands a cache's buffers to
+the next cache of the process (the next fork opened, the next question asked), much as llama.cpp
+restores into the KV buffer its context already holds.
 """
 
 from __future__ import annotations
 
-import threading
-
 import torch
+
+from .buffers import BufferPool
 
 GROW_STEP = 256  # capacity is a multiple of this many tokens
 HEADROOM = 1024  # room a restored cache gets beyond its tokens: the next ones do not copy it all (see `with_room`)
@@ -32,47 +31,7 @@ def with_room(n_tokens: int) -> int:
     return n_tokens + HEADROOM
 
 
-class MemoryPool:
-    """Released CPU buffers (flat uint8 tensors, already written to), handed out best-fit.
-
-    Holds at most `limit` bytes: the oldest buffers go first, and one larger than the limit is not
-    kept. `clear()` gives everything back to the allocator (and so to the OS)."""
-
-    def __init__(self, limit: int):
-        self.limit = limit
-        self._free: list[torch.Tensor] = []
-        self._lock = threading.Lock()
-
-    @property
-    def held(self) -> int:
-        return sum(b.numel() for b in self._free)
-
-    def take(self, nbytes: int) -> torch.Tensor | None:
-        """The smallest held buffer of at least nbytes (no longer held), or None."""
-        with self._lock:
-            fits = [b for b in self._free if b.numel() >= nbytes]
-            if not fits:
-                return None
-            best = min(fits, key=torch.Tensor.numel)
-            self._free = [b for b in self._free if b is not best]
-            return best
-
-    def give(self, buf: torch.Tensor) -> None:
-        if buf.numel() == 0 or buf.numel() > self.limit:
-            return
-        with self._lock:
-            if any(b is buf for b in self._free):
-                return  # given twice: handing it out twice would make two caches share memory
-            self._free.append(buf)
-            while sum(b.numel() for b in self._free) > self.limit:
-                self._free.pop(0)
-
-    def clear(self) -> None:
-        with self._lock:
-            self._free = []
-
-
-POOL = MemoryPool(limit=512 << 20)
+POOL = BufferPool(limit=512 << 20)  # flat uint8 CPU tensors of released caches
 
 
 def borrow(nbytes: int) -> torch.Tensor:

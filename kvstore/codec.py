@@ -17,7 +17,6 @@
 from __future__ import annotations
 
 import struct
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
@@ -25,6 +24,7 @@ import numpy as np
 import xxhash
 import zstandard
 
+from .buffers import BufferPool
 from .errors import CorruptData
 
 ZSTD_LEVEL = 1
@@ -102,7 +102,7 @@ def unpack_frame(payload, raw_size: int, itemsize: int, row_bytes: int, *, what:
         raise CorruptData(f"{what}: {raw_size} bytes are not whole token rows of {row_bytes} bytes")
     token_major = payload[:4] == PLANES_MARK
     plane_size = raw_size // itemsize
-    scratch = [SCRATCH.take(plane_size) for _ in range(itemsize)]
+    scratch = [_scratch(plane_size) for _ in range(itemsize)]
     try:
         planes = _inflate_planes(payload, len(PLANES_MARK) if token_major else 0, plane_size, scratch, what)
         if token_major:
@@ -128,6 +128,12 @@ def _inflate_planes(payload: memoryview, at: int, plane_size: int, into: list[np
     if at != len(payload):
         raise CorruptData(f"{what}: {len(payload) - at} stray bytes after the last byte plane")
     return planes
+
+
+def _scratch(nbytes: int) -> np.ndarray:
+    """A buffer of at least nbytes to inflate a plane into: a kept one (see `SCRATCH`) or a new one."""
+    buf = SCRATCH.take(nbytes)
+    return buf if buf is not None else np.empty(nbytes, np.uint8)
 
 
 def _unshuffle(raw: bytes, itemsize: int) -> np.ndarray:
@@ -164,29 +170,7 @@ def _inflate(frame, size: int, *, what: str, into: np.ndarray | None = None) -> 
     return out
 
 
-class Scratch:
-    """Reusable uint8 buffers for the byte planes being inflated. Fresh memory costs a page fault
-    per 4 KiB page when first written (see `cache.POOL`); these are written once and kept."""
-
-    def __init__(self, keep: int = 8):
-        self.keep = keep
-        self._free: list[np.ndarray] = []
-        self._lock = threading.Lock()
-
-    def take(self, nbytes: int) -> np.ndarray:
-        """A buffer of at least nbytes (the smallest kept one that fits, else a new one)."""
-        with self._lock:
-            fits = [i for i, b in enumerate(self._free) if b.size >= nbytes]
-            if fits:
-                return self._free.pop(min(fits, key=lambda i: self._free[i].size))
-        return np.empty(nbytes, np.uint8)
-
-    def give(self, *bufs: np.ndarray) -> None:
-        with self._lock:
-            self._free = (self._free + list(bufs))[-self.keep:]
-
-
-SCRATCH = Scratch()
+SCRATCH = BufferPool(limit=32 << 20)  # uint8 arrays the byte planes are inflated into
 
 
 def parallel_map(fn, items: Sequence, threads: int = 4) -> list:

@@ -1,14 +1,16 @@
-"""The memory pool (kvstore.cache.POOL): a closed session's or sequence's cache memory goes to the
+"""The memory pools (kvstore.buffers.BufferPool; the caches' kvstore.cache.POOL): a closed session's or sequence's cache memory goes to the
 next cache of the process, best fit, within the pool's limit; what that memory held before never
 shows in a later cache (contract C1 over reused memory is in test_store_resume.py)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 import kvstore
-from kvstore.cache import KVCache, MemoryPool, POOL
+from kvstore.buffers import BufferPool
+from kvstore.cache import KVCache, POOL
 
 
 @pytest.fixture(autouse=True)
@@ -23,20 +25,22 @@ def model(tiny):
     return kvstore.load_model(tiny("llama-gqa").folder)
 
 
-def buffers(pool: MemoryPool) -> list[int]:
-    return sorted(b.numel() for b in pool._free)
+def buffers(pool: BufferPool) -> list[int]:
+    return sorted(b.nbytes for b in pool._free)
 
 
-def test_the_pool_hands_out_the_smallest_buffer_that_fits_and_keeps_within_its_limit():
-    pool = MemoryPool(limit=1000)
+@pytest.mark.parametrize("new", [lambda n: torch.empty(n, dtype=torch.uint8), lambda n: np.empty(n, np.uint8)],
+                         ids=["torch", "numpy"])
+def test_the_pool_hands_out_the_smallest_buffer_that_fits_and_keeps_within_its_limit(new):
+    pool = BufferPool(limit=1000)
     for n in (100, 400, 300):
-        pool.give(torch.empty(n, dtype=torch.uint8))
-    assert pool.take(250).numel() == 300
+        pool.give(new(n))
+    assert pool.take(250).nbytes == 300
     assert pool.take(500) is None
     assert buffers(pool) == [100, 400]
-    pool.give(torch.empty(2000, dtype=torch.uint8))  # larger than the limit: not kept
+    pool.give(new(2000))  # larger than the limit: not kept
     assert buffers(pool) == [100, 400]
-    pool.give(torch.empty(700, dtype=torch.uint8))  # over the limit together: the oldest go first
+    pool.give(new(700))  # over the limit together: the oldest go first
     assert buffers(pool) == [700] and pool.held == 700
     pool.give(pool._free[0])  # the same buffer twice is held once
     assert buffers(pool) == [700]

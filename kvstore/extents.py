@@ -56,17 +56,15 @@ def session_extents(db: DB, session_id: str) -> list[ExtentRef]:
 def read_layers(ref: ExtentRef, home: Path, itemsize: int, *, session: str) -> list[np.ndarray]:
     """Verified raw bytes of every layer of the extent (the whole extent, not just the used prefix)."""
     what = f"session {session!r}, extent {ref.extent_id}"
-    if ref.blob is not None:
-        b = ref.blob
-        layers = blobs.unpack(home / "blobs", b.hash, b.frames, b.file_checksum, ref.raw_size, itemsize,
-                              ref.token_bytes, what=what)
-    else:
+    if ref.blob is None:  # each layer verified as it is read
         directory = home / "sessions" / ref.segment_id
-        layers = [segments.read_extent(directory, i, ref.offset, ref.raw_size, what=f"{what}, layer {i}")
-                  for i in range(len(ref.checksums))]
+        return [segments.read_extent(directory, i, ref.offset, ref.raw_size, what=f"{what}, layer {i}",
+                                     checksum=expected) for i, expected in enumerate(ref.checksums)]
+    b = ref.blob
+    layers = blobs.unpack(home / "blobs", b.hash, b.frames, b.file_checksum, ref.raw_size, itemsize,
+                          ref.token_bytes, what=what)
     for i, (data, expected) in enumerate(zip(layers, ref.checksums)):
-        file = "blob" if ref.blob is not None else segments.layer_path(Path(ref.segment_id), i).as_posix()
-        segments.verify(data, expected, what=f"{what} ({file}), layer {i}")
+        segments.verify(data, expected, what=f"{what} (blob), layer {i}")
     return layers
 
 

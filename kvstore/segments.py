@@ -138,10 +138,12 @@ class ExtentRead:
     checksum: str | None = None
 
 
-def read_extent(directory: Path, layer: int, offset: int, nbytes: int, *, what: str) -> np.ndarray:
-    """The raw bytes of one layer of an extent; CorruptData if the file is missing or short."""
+def read_extent(directory: Path, layer: int, offset: int, nbytes: int, *, what: str,
+                checksum: str | None = None) -> np.ndarray:
+    """The raw bytes of one layer of an extent, checked against `checksum` when given; CorruptData
+    if the file is missing or short, or the bytes are not what was written."""
     data = np.empty(nbytes, dtype=np.uint8)
-    read_extents_into(directory, layer, [ExtentRead(offset, data, what)])
+    read_extents_into(directory, layer, [ExtentRead(offset, data, what, checksum)])
     return data
 
 

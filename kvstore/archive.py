@@ -40,7 +40,7 @@ READABLE = (1, 2, 3)  # they differ only in the payload encoding, which `codec` 
 HEADER = struct.Struct("<8sIIQQ")  # magic, version, flags, manifest length, manifest xxh3-64
 MAX_MANIFEST = 256 << 20
 MAX_FRAME_RAW = 1 << 30  # one layer of one extent: far above any real one, low enough to allocate
-FIELDS = {  # every field a manifest (versions 1 and 2) may hold, by section
+FIELDS = {  # every field a manifest of any readable version may hold, by section
     "": {"format", "version", "session", "model", "token_bytes", "tokens", "messages", "extents", "data_size"},
     "session": {"name", "seed", "sampler", "chunk_size", "checkpoint_every", "dtype", "kv_layout", "active_call",
                 "n_tokens", "n_cached"},

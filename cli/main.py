@@ -17,10 +17,11 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT: stopped by Ctrl-C after a checkpoint
 
 
 class App:
-    """What every command shares: the home directory and, once asked for, the open store."""
+    """What every command shares: the home directory, the index URL and, once asked for, the open store."""
 
-    def __init__(self, home: Path | None):
+    def __init__(self, home: Path | None, index: str | None = None):
         self.home = home
+        self.index = index
         self._store = None
 
     @property
@@ -28,7 +29,7 @@ class App:
         if self._store is None:
             from kvstore.store import open_store
 
-            self._store = open_store(self.home)
+            self._store = open_store(self.home, url=self.index)
         return self._store
 
     def close(self) -> None:
@@ -66,15 +67,18 @@ def one_line(error: BaseException) -> str:
 @click.group(name="kvstore", cls=Group)
 @click.option("--home", type=click.Path(file_okay=False, path_type=Path), envvar="KVSTORE_HOME", show_envvar=True,
               help="Store directory (default: the per-user app directory).")
+@click.option("--index", metavar="URL", envvar="KVSTORE_INDEX", show_envvar=True,
+              help="Keep the index in this PostgreSQL database (postgresql://USER@HOST/DB) instead of the "
+                   "home's kvstore.db; session files stay in the home.")
 @click.version_option(package_name="kvstore", prog_name="kvstore")
 @click.pass_context
-def cli(ctx: click.Context, home: Path | None):
+def cli(ctx: click.Context, home: Path | None, index: str | None):
     """kvstore: persistent, resumable LLM generation sessions.
 
     A session keeps its KV cache on disk, so a long prompt is read once: `continue` picks up where
     the last run stopped (or was killed) without recomputing it, token for token.
     """
-    ctx.obj = App(home)
+    ctx.obj = App(home, index)
     ctx.call_on_close(ctx.obj.close)
 
 

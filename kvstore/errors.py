@@ -69,3 +69,7 @@ class StoreFull(KvstoreError):
 
 class StoreMissing(KvstoreError):
     """The index is gone while session files remain; nothing is recreated silently."""
+
+
+class IndexUnavailable(KvstoreError):
+    """The index database cannot be used: not a SQLite or PostgreSQL URL, no driver, server unreachable."""

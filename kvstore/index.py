@@ -4,13 +4,15 @@ Tables: models, sessions, checkpoints, segments (a session's per-layer KV files)
 token range inside a segment, or inside a packed blob), session_extents (which extents make up a
 session's cache, in order; forks share rows of `extents`), token_blocks (token ids, appended per
 checkpoint), messages (chat turns) and blobs (packed extents). The schema is portable (SQLite and
-PostgreSQL); SQLite-only statements live only in `_sqlite_setup`. Alembic migrations in the
-top-level `migrations/` folder (shipped as `kvstore.migrations`) are applied by `connect`.
+PostgreSQL); what is one database's own lives only in `_sqlite_setup` or `_postgresql_setup`, and
+both run transactions one at a time (`make_engine`). Alembic migrations in the top-level
+`migrations/` folder (shipped as `kvstore.migrations`) are applied by `upgrade`.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import importlib.util
 from contextlib import contextmanager
 from importlib import resources
 from pathlib import Path
@@ -18,11 +20,11 @@ from typing import Any
 
 from sqlalchemy import (JSON, BigInteger, DateTime, ForeignKey, Integer, LargeBinary, String, Text,
                         UniqueConstraint, create_engine, event)
-from sqlalchemy.engine import Engine
-from sqlalchemy.exc import OperationalError
+from sqlalchemy.engine import URL, Engine, make_url
+from sqlalchemy.exc import ArgumentError, NoSuchModuleError, OperationalError
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-from .errors import StoreFull, UnsupportedFormat
+from .errors import IndexUnavailable, StoreFull, UnsupportedFormat
 
 
 def utcnow() -> dt.datetime:
@@ -139,11 +141,56 @@ class ExtentBlobRow(Base):
 
 
 # -- engine ------------------------------------------------------------------------------------
+POSTGRES_DRIVERS = ("psycopg2", "psycopg")  # what a plain postgresql:// URL may use, in SQLAlchemy's order
+WRITER_LOCK_KEY = 0x6B7673746F7265  # "kvstore": the PostgreSQL advisory lock that serializes transactions
+LOCK_WAIT_S = 30  # how long a transaction waits for another one, on either database
+
+
 def make_engine(url: str) -> Engine:
-    engine = create_engine(url, future=True)
+    """An engine for a SQLite or PostgreSQL index, set up so that transactions run one at a time.
+
+    Both databases get the same semantics: SQLite through BEGIN IMMEDIATE, PostgreSQL through a
+    transaction-level advisory lock. Every read-check-write in the store (head compare-and-set,
+    gc's "nothing references this file", fork's copy of the parent's extent list) relies on it."""
+    parsed = database_url(url)
+    try:
+        engine = create_engine(parsed, future=True, pool_pre_ping=parsed.get_backend_name() == "postgresql")
+    except (ImportError, NoSuchModuleError) as e:  # the driver named in the URL is not installed or not known
+        raise IndexUnavailable(f"the database driver for {_shown(parsed)} is not installed ({e}); "
+                               "for PostgreSQL: pip install 'kvstore[postgres]'") from e
     if engine.dialect.name == "sqlite":
         _sqlite_setup(engine)
+    else:
+        _postgresql_setup(engine)
     return engine
+
+
+def database_url(url: str) -> URL:
+    """Parse an index URL; a driverless `postgresql://` takes whichever PostgreSQL driver is installed."""
+    try:
+        parsed = make_url(url)
+    except ArgumentError as e:
+        raise IndexUnavailable(f"{url!r} is not a database URL; use postgresql://USER@HOST/DB, or no URL "
+                               "for the home's kvstore.db") from e
+    backend = parsed.get_backend_name()
+    if backend not in ("sqlite", "postgresql"):
+        raise IndexUnavailable(f"the index runs on SQLite or PostgreSQL, not {backend} ({_shown(parsed)})")
+    if parsed.drivername == "postgresql":
+        driver = next((d for d in POSTGRES_DRIVERS if importlib.util.find_spec(d) is not None), None)
+        if driver is None:
+            raise IndexUnavailable(f"no PostgreSQL driver is installed for {_shown(parsed)}; "
+                                   "pip install 'kvstore[postgres]'")
+        parsed = parsed.set(drivername=f"postgresql+{driver}")
+    return parsed
+
+
+def _shown(url: URL) -> str:
+    return url.render_as_string(hide_password=True)
+
+
+def shown_url(engine: Engine) -> str:
+    """The engine's URL as it may be printed (password hidden)."""
+    return _shown(engine.url)
 
 
 def _sqlite_setup(engine: Engine) -> None:
@@ -153,7 +200,7 @@ def _sqlite_setup(engine: Engine) -> None:
     def _on_connect(dbapi_conn, _record):
         dbapi_conn.isolation_level = None  # we emit BEGIN ourselves
         cur = dbapi_conn.cursor()
-        cur.execute("PRAGMA busy_timeout = 30000")
+        cur.execute(f"PRAGMA busy_timeout = {LOCK_WAIT_S * 1000}")
         cur.execute("PRAGMA journal_mode = WAL")
         cur.execute("PRAGMA synchronous = FULL")
         cur.execute("PRAGMA foreign_keys = ON")
@@ -162,6 +209,24 @@ def _sqlite_setup(engine: Engine) -> None:
     @event.listens_for(engine, "begin")
     def _on_begin(conn):
         conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+
+def _postgresql_setup(engine: Engine) -> None:
+    """Every transaction first takes one advisory lock (released at its end, commit or rollback, and by
+    the server when a killed client's connection drops): the counterpart of SQLite's BEGIN IMMEDIATE.
+    Waiting for it gives up after LOCK_WAIT_S, as SQLite's busy timeout does."""
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_conn, _record):
+        cur = dbapi_conn.cursor()
+        cur.execute(f"SET lock_timeout = '{LOCK_WAIT_S}s'")
+        cur.execute("SET synchronous_commit = on")  # a committed head is on disk, whatever the server default
+        cur.close()
+        dbapi_conn.commit()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(conn):
+        conn.exec_driver_sql(f"SELECT pg_advisory_xact_lock({WRITER_LOCK_KEY})")
 
 
 def migrations_dir() -> Path:
@@ -201,11 +266,12 @@ def upgrade(engine: Engine, url: str, revision: str = "head") -> None:
 
 @contextmanager
 def store_full_on_disk_full(what: str):
-    """SQLite's "database or disk is full" is the same condition as ENOSPC: raise StoreFull."""
+    """SQLite's "database or disk is full" and PostgreSQL's disk_full (SQLSTATE 53100) are the same
+    condition as ENOSPC: raise StoreFull."""
     try:
         yield
     except OperationalError as e:
-        if "full" in str(e.orig).lower():
+        if "full" in str(e.orig).lower() or getattr(e.orig, "sqlstate", None) == "53100":
             raise StoreFull(f"{what}: the disk is full; the last checkpoint is intact. "
                             "Free some space (kvstore gc, kvstore rm) and try again") from e
         raise

@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 ENV_HOME = "KVSTORE_HOME"
+ENV_INDEX = "KVSTORE_INDEX"  # a database URL for the index instead of the home's kvstore.db
 
 
 def home_dir(home: str | os.PathLike | None = None) -> Path:
@@ -17,6 +18,11 @@ def home_dir(home: str | os.PathLike | None = None) -> Path:
     import click
 
     return Path(click.get_app_dir("kvstore"))
+
+
+def index_url(url: str | None = None) -> str | None:
+    """The index's database URL: the argument, else $KVSTORE_INDEX, else None (the home's SQLite file)."""
+    return url or os.environ.get(ENV_INDEX) or None
 
 
 def models_dir(home: str | os.PathLike | None = None) -> Path:

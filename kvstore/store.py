@@ -1,7 +1,7 @@
 """The Store: a home directory with the index and the KV files, and the verbs on whole sessions.
 
 `open_store(home=None, url=None)` finds the home (argument, $KVSTORE_HOME, click's app dir), opens
-the index (SQLite `kvstore.db` in the home unless `url` names another database, e.g. PostgreSQL),
+the index (SQLite `kvstore.db` in the home unless `url` or $KVSTORE_INDEX names a PostgreSQL database),
 and migrates it. Sessions are created and opened here (`new`, `open`, both returning a writer
 `Session`), listed, described, forked without loading a model, deleted and garbage-collected;
 `verify`, `export` and `import_` live in their own modules and are exposed here.
@@ -20,12 +20,13 @@ from sqlalchemy import delete, func, select
 from sqlalchemy.exc import DatabaseError, OperationalError
 from sqlalchemy.orm import Session as DB
 
-from .errors import CorruptData, InvalidName, ModelMismatch, SessionExists, SessionNotFound, StoreMissing
+from .errors import (CorruptData, IndexUnavailable, InvalidName, ModelMismatch, SessionExists, SessionNotFound,
+                     StoreMissing)
 from .fileio import io, make_dir
 from .index import (BlobRow, CheckpointRow, ExtentBlobRow, MessageRow, ModelRow, SegmentRow,
-                    SessionExtentRow, SessionRow, TokenBlockRow, make_engine, upgrade, utcnow)
+                    SessionExtentRow, SessionRow, TokenBlockRow, make_engine, shown_url, upgrade, utcnow)
 from .locking import SessionLock
-from .paths import home_dir
+from .paths import home_dir, index_url
 from .segments import LAYER_FILE
 
 NAME = re.compile(r"[^\W_][\w.:@+-]{0,127}")
@@ -315,11 +316,13 @@ def fork_rows(db: DB, parent: SessionRow, new_name: str, at: int | None) -> Sess
 
 
 def open_store(home: str | os.PathLike | None = None, url: str | None = None) -> Store:
-    """Open (creating if needed) the store in `home`; its index is `url` or `home/kvstore.db`."""
+    """Open (creating if needed) the store in `home`; its index is `url` (else $KVSTORE_INDEX), or
+    else the SQLite file `home/kvstore.db`. Session files always live in the home."""
     root = home_dir(home)
     make_dir(root)
     sessions = root / "sessions"
     has_sessions = bool(io.listdir(sessions))
+    url = index_url(url)
     if url is None:
         db_file = root / "kvstore.db"
         if not io.exists(db_file) and has_sessions:
@@ -329,13 +332,18 @@ def open_store(home: str | os.PathLike | None = None, url: str | None = None) ->
     store = Store(root, url)
     try:
         if has_sessions and _schema_revision(store.engine) is None:  # never let a gc see an empty index here
-            raise StoreMissing(f"the index of {root} is empty but {sessions} holds session files; kvstore.db was "
-                               "truncated or replaced. Restore it, or move the sessions folder away to start afresh")
+            raise StoreMissing(f"the index of {root} ({shown_url(store.engine)}) is empty but {sessions} holds "
+                               "session files; it was truncated or replaced, or is another database. Restore it, "
+                               "or move the sessions folder away to start afresh")
         make_dir(sessions)
-        upgrade(store.engine, url)
+        upgrade(store.engine, store.engine.url.render_as_string(hide_password=False))
     except DatabaseError as e:
         store.close()
-        if isinstance(e, OperationalError):  # locked, I/O error, disk full: not damage
+        if isinstance(e, OperationalError):  # locked, I/O error, disk full, server down: not damage
+            if store.engine.dialect.name != "sqlite":
+                raise IndexUnavailable(f"cannot use the index database {shown_url(store.engine)} "
+                                       f"({' '.join(str(e.orig).split())}); check that the server runs and that "
+                                       "the URL (--index, $KVSTORE_INDEX) is right") from e
             raise
         raise CorruptData(f"the index of {root} is damaged ({e.orig}); restore kvstore.db from a backup") from e
     except BaseException:

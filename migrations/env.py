@@ -8,7 +8,7 @@ connection in `config.attributes["connection"]`; the `alembic` command line work
 from alembic import context
 from sqlalchemy import create_engine
 
-from kvstore.index import Base
+from kvstore.index import Base, database_url
 
 target_metadata = Base.metadata
 
@@ -19,7 +19,7 @@ def run_migrations_online() -> None:
         context.configure(connection=connection, target_metadata=target_metadata, render_as_batch=True)
         context.run_migrations()
         return
-    engine = create_engine(context.config.get_main_option("sqlalchemy.url"))
+    engine = create_engine(database_url(context.config.get_main_option("sqlalchemy.url")))
     with engine.begin() as conn:
         context.configure(connection=conn, target_metadata=target_metadata, render_as_batch=True)
         context.run_migrations()

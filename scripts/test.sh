@@ -9,4 +9,13 @@ VENV="${KVSTORE_VENV:-.venv}"
 # The CPU build of torch first: letting pip choose could pull a multi-GB CUDA build.
 "$VENV/bin/python" -m pip install -q --disable-pip-version-check torch==2.13.0
 "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e ".[test]"
+# A PostgreSQL server for the tests of the index on PostgreSQL (tests/pg_server.py starts a throwaway
+# one); where none can be installed those tests skip and say why.
+if ! command -v initdb >/dev/null && ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 \
+        && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "installing PostgreSQL (Debian's postgresql package) for the index tests"
+    export DEBIAN_FRONTEND=noninteractive
+    { apt-get install -y -q postgresql || { apt-get update -q && apt-get install -y -q postgresql; }; } >/dev/null 2>&1 \
+        || echo "PostgreSQL could not be installed: its tests will be skipped"
+fi
 exec "$VENV/bin/python" -m pytest "$@"

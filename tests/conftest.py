@@ -1,4 +1,5 @@
-"""Shared fixtures: a private kvstore home per test, tiny random models, the real SmolLM2 GGUF.
+"""Shared fixtures: a private kvstore home per test, tiny random models, the real SmolLM2 GGUF, a
+PostgreSQL server for the index tests on that database.
 
 Tiny models are built once per test session, on first use (see `engine_models.py`). The real model
 is pulled once per session into a temporary home, unless $KVSTORE_TEST_HOME names a home that has
@@ -18,6 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 
 import engine_models  # noqa: E402
+import pg_server  # noqa: E402
 
 TEST_HOME_ENV = "KVSTORE_TEST_HOME"
 
@@ -33,8 +35,27 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True)
 def _private_home(tmp_path, monkeypatch):
-    """Nothing a test does lands in the user's kvstore home."""
+    """Nothing a test does lands in the user's kvstore home or index database."""
     monkeypatch.setenv("KVSTORE_HOME", str(tmp_path / "kvstore-home"))
+    monkeypatch.delenv("KVSTORE_INDEX", raising=False)
+
+
+@pytest.fixture(scope="session")
+def postgres():
+    """A PostgreSQL server for this test session (tests/pg_server.py); skips with the reason if none."""
+    reason = pg_server.unavailable()
+    if reason:
+        pytest.skip(f"PostgreSQL: {reason}")
+    server = pg_server.Server()
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def pg_url(postgres) -> str:
+    """The URL of a new, empty PostgreSQL database."""
+    return postgres.new_database()
 
 
 @contextmanager

@@ -71,11 +71,13 @@ def _report(conn):
     return on_checkpoint
 
 
-def child_generate(home: str, model_path: str, name: str, n_new: int, trace: str, threads: int, conn) -> None:
-    """Open an existing session and generate; every checkpoint is reported before going on."""
+def child_generate(home: str, model_path: str, name: str, n_new: int, trace: str, threads: int, conn,
+                   url: str | None = None) -> None:
+    """Open an existing session (index: `url`, else the home's) and generate; every checkpoint is
+    reported before going on."""
     torch.set_num_threads(threads)
     model = kvstore.load_model(model_path)
-    store = kvstore.open_store(home)
+    store = kvstore.open_store(home, url=url)
     session = store.open(name, model)
     session.on_checkpoint = _report(conn)
     conn.send(("ready", len(session.tokens)))
@@ -100,7 +102,7 @@ def child_new_document(home: str, model_path: str, name: str, text: str, chunk_s
 
 def start(target, *args, ctx=None):
     """Run target(*args, conn) in a child (of `ctx`, else this module's forkserver); returns
-    (process, parent end of the pipe)."""
+    (process, parent end of the pipe). Keyword arguments go through `functools.partial(target, ...)`."""
     ctx = ctx or context()
     parent, child = ctx.Pipe(duplex=False)
     proc = ctx.Process(target=target, args=(*args, child), daemon=True)

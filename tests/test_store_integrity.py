@@ -142,7 +142,9 @@ def test_a_second_writer_in_another_process_is_busy_at_once_and_free_after_a_kil
     started = time.monotonic()
     with pytest.raises(SessionBusy):
         saved.open("s", model)
-    assert time.monotonic() - started < 1.0
+    # at once: while the writer still holds the lock, not after waiting for it (SQLite's busy wait is
+    # 30 s); the bound leaves room for a loaded machine
+    assert proc.is_alive() and time.monotonic() - started < 10.0
     H.kill_after(proc, conn, 0.05)
     with saved.open("s", model) as s:  # the kernel released the dead writer's lock
         assert s.tokens

@@ -1,10 +1,8 @@
-"""The store's verbs on whole sessions: list and describe, fork by reference (milliseconds and
-kilobytes), delete without harming forks, garbage-collect only what nothing references, pack
+"""The store's verbs on whole sessions: list and describe, fork by reference (no KV byte copied;
+its milliseconds are measured in the benchmarks), delete without harming forks, garbage-collect only what nothing references, pack
 blobs shared between forks."""
 
 from __future__ import annotations
-
-import time
 
 import pytest
 
@@ -58,12 +56,10 @@ def test_unknown_sessions_are_reported(store, model):
 
 
 def test_a_fork_shares_extents_and_costs_no_kv_bytes(store):
+    """No KV byte is read or written (its time is in the benchmarks: `python -m benchmarks run`)."""
     before = files(store)
-    started = time.perf_counter()
     store.fork("doc", "child")
-    elapsed = time.perf_counter() - started
     assert files(store) == before  # nothing copied
-    assert elapsed < 1.0
     child = store.info("child")
     assert child.parent == "doc" and child.disk_bytes == 0 and store.info("doc").forks == ["child"]
     assert store.tokens("child") == store.tokens("doc")

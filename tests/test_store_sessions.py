@@ -1,6 +1,6 @@
 """The store's verbs on whole sessions: list and describe, fork by reference (no KV byte copied;
-its milliseconds are measured in the benchmarks), delete without harming forks, garbage-collect only what nothing references, pack
-blobs shared between forks."""
+its milliseconds are measured in the benchmarks), delete without harming forks, garbage-collect
+only what nothing references, pack blobs shared between forks."""
 
 from __future__ import annotations
 

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import datetime as dt
 import importlib.util
+import re
 from contextlib import contextmanager
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import (JSON, BigInteger, DateTime, ForeignKey, Integer, LargeBinary, String, Text,
+from sqlalchemy import (JSON, BigInteger, DateTime, ForeignKey, Integer, LargeBinary, String, Text, TypeDecorator,
                         UniqueConstraint, create_engine, event)
 from sqlalchemy.engine import URL, Engine, make_url
 from sqlalchemy.exc import ArgumentError, NoSuchModuleError, OperationalError
@@ -35,12 +36,32 @@ class Base(DeclarativeBase):
     pass
 
 
+class AnyText(TypeDecorator):
+    """Text that holds any str, NUL included (a pasted binary, a byte token the model produced).
+
+    PostgreSQL's text type cannot store U+0000, so there NUL is written as ESCAPE + "0" and ESCAPE
+    itself as ESCAPE twice (ESCAPE is U+FFFF, a noncharacter); SQLite stores text as it is."""
+    impl = Text
+    cache_ok = True
+    ESCAPE = "\uffff"
+
+    def process_bind_param(self, value: str | None, dialect) -> str | None:
+        if value is None or dialect.name != "postgresql":
+            return value
+        return value.replace(self.ESCAPE, self.ESCAPE * 2).replace("\0", self.ESCAPE + "0")
+
+    def process_result_value(self, value: str | None, dialect) -> str | None:
+        if value is None or dialect.name != "postgresql" or self.ESCAPE not in value:
+            return value
+        return re.sub(self.ESCAPE + "(.)", lambda m: "\0" if m.group(1) == "0" else m.group(1), value, flags=re.S)
+
+
 class ModelRow(Base):
     __tablename__ = "models"
     fingerprint: Mapped[str] = mapped_column(String(64), primary_key=True)
     arch: Mapped[str] = mapped_column(String(32))
     config: Mapped[dict[str, Any]] = mapped_column(JSON)
-    source: Mapped[str] = mapped_column(Text)
+    source: Mapped[str] = mapped_column(AnyText)
     created_at: Mapped[dt.datetime] = mapped_column(DateTime, default=utcnow)
 
 
@@ -119,7 +140,7 @@ class MessageRow(Base):
     session_id: Mapped[str] = mapped_column(ForeignKey("sessions.id", ondelete="CASCADE"), index=True)
     ordinal: Mapped[int] = mapped_column(Integer)
     role: Mapped[str] = mapped_column(String(32))
-    text: Mapped[str] = mapped_column(Text)
+    text: Mapped[str] = mapped_column(AnyText)
     token_start: Mapped[int] = mapped_column(Integer)
     token_end: Mapped[int] = mapped_column(Integer)
 

@@ -157,6 +157,18 @@ def test_export_to_sqlite_and_back_to_another_database(pg_url, postgres, tmp_pat
         continue_to_end(b, reference, tmp_path / "t.jsonl")
 
 
+def test_any_text_round_trips_nul_included(pg_url, tmp_path, model):
+    """PostgreSQL's text cannot hold U+0000; a message, a system prompt or a recorded call can."""
+    odd = "a\x00b \uffff0 \uffff\uffff \x00\uffff"  # NUL, and the escape character used to store it
+    store = kvstore.open_store(tmp_path / "home", url=pg_url)
+    with store.new("s", model, system=odd) as s:
+        list(s.chat(odd, max_new_tokens=3))
+    texts = [m.text for m in store.messages("s")]
+    assert texts[:2] == [odd, odd]
+    with store.open("s", model) as s:
+        assert s.messages[1]["text"] == odd
+
+
 # -- writers ---------------------------------------------------------------------------------------------
 def test_transactions_take_turns(pg_url, tmp_path):
     """Like SQLite's BEGIN IMMEDIATE: while one store holds a transaction, another store's waits."""

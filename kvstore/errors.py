@@ -71,5 +71,9 @@ class StoreMissing(KvstoreError):
     """The index is gone while session files remain; nothing is recreated silently."""
 
 
+class StoreMismatch(KvstoreError):
+    """The home and the index belong to different stores (one index serves one home)."""
+
+
 class IndexUnavailable(KvstoreError):
     """The index database cannot be used: not a SQLite or PostgreSQL URL, no driver, server unreachable."""

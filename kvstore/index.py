@@ -3,9 +3,10 @@
 Tables: models, sessions, checkpoints, segments (a session's per-layer KV files), extents (a
 token range inside a segment, or inside a packed blob), session_extents (which extents make up a
 session's cache, in order; forks share rows of `extents`), token_blocks (token ids, appended per
-checkpoint), messages (chat turns) and blobs (packed extents). The schema is portable (SQLite and
-PostgreSQL); what is one database's own lives only in `_sqlite_setup` or `_postgresql_setup`, and
-both run transactions one at a time (`make_engine`). Alembic migrations in the top-level
+checkpoint), messages (chat turns), blobs (packed extents) and store_identity (which home the
+index serves: `identity`). The schema is portable (SQLite and PostgreSQL); what is one
+database's own lives only in `_sqlite_setup` or `_postgresql_setup`, and both run transactions
+one at a time (`make_engine`). Alembic migrations in the top-level
 `migrations/` folder (shipped as `kvstore.migrations`) are applied by `upgrade`.
 """
 
@@ -54,6 +55,13 @@ class AnyText(TypeDecorator):
         if value is None or dialect.name != "postgresql" or self.ESCAPE not in value:
             return value
         return re.sub(self.ESCAPE + "(.)", lambda m: "\0" if m.group(1) == "0" else m.group(1), value, flags=re.S)
+
+
+class StoreIdentityRow(Base):
+    """One row: the id of the home this index serves (its `store-id` file holds the same id)."""
+    __tablename__ = "store_identity"
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime, default=utcnow)
 
 
 class ModelRow(Base):

@@ -23,6 +23,7 @@ from sqlalchemy.orm import Session as DB
 from .errors import (CorruptData, IndexUnavailable, InvalidName, ModelMismatch, SessionExists, SessionNotFound,
                      StoreMissing)
 from .fileio import io, make_dir
+from .identity import bind_home
 from .index import (BlobRow, CheckpointRow, ExtentBlobRow, MessageRow, ModelRow, SegmentRow,
                     SessionExtentRow, SessionRow, TokenBlockRow, make_engine, shown_url, upgrade, utcnow)
 from .locking import SessionLock
@@ -337,6 +338,7 @@ def open_store(home: str | os.PathLike | None = None, url: str | None = None) ->
                                "or move the sessions folder away to start afresh")
         make_dir(sessions)
         upgrade(store.engine, store.engine.url.render_as_string(hide_password=False))
+        bind_home(store)
     except DatabaseError as e:
         store.close()
         if isinstance(e, OperationalError):  # locked, I/O error, disk full, server down: not damage

@@ -50,7 +50,7 @@ def test_a_store_at_the_first_revision_opens_after_the_upgrade(tmp_path, tiny):
     engine.dispose()
     upgraded = kvstore.open_store(tmp_path)  # migrates 0001 -> head
     with upgraded.engine.connect() as conn:
-        assert MigrationContext.configure(conn).get_current_revision() == "0002"
+        assert MigrationContext.configure(conn).get_current_revision() == "0003"
     with upgraded.open("old", model) as s:
         assert s.tokens == tokens
     assert upgraded.pack("old")["extents"] >= 1  # the new tables work

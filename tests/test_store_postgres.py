@@ -18,11 +18,13 @@ from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from click.testing import CliRunner
+from sqlalchemy import select
 
 import kvstore
 import store_harness as H
 from kvstore import index
-from kvstore.errors import IndexUnavailable, SessionBusy, StoreMissing
+from kvstore.errors import IndexUnavailable, SessionBusy, StoreMismatch, StoreMissing
+from kvstore.identity import MARKER
 from kvstore_cli.main import cli
 
 N_NEW = 24
@@ -225,6 +227,26 @@ def test_an_empty_database_beside_session_files_is_refused(pg_url, postgres, tmp
     with pytest.raises(StoreMissing, match="holds session files"):
         kvstore.open_store(tmp_path / "home", url=postgres.new_database())
     assert kvstore.open_store(tmp_path / "home", url=pg_url).tokens("s")  # nothing was touched
+
+
+def test_one_database_serves_one_home(pg_url, tmp_path, model):
+    """A second home pointed at a database that serves another home is refused: no store-id written,
+    the first home's sessions untouched."""
+    store, s = new_session(tmp_path / "first", pg_url, model)
+    s.close()
+    with pytest.raises(StoreMismatch, match="belongs to another kvstore home"):
+        kvstore.open_store(tmp_path / "second", url=pg_url)
+    assert not (tmp_path / "second" / MARKER).exists()
+    assert [i.name for i in store.list()] == ["s"]
+
+
+def test_an_empty_home_moves_to_a_new_database(postgres, tmp_path):
+    first = kvstore.open_store(tmp_path / "home", url=postgres.new_database())
+    store_id = (tmp_path / "home" / MARKER).read_text().strip()
+    first.close()
+    moved = kvstore.open_store(tmp_path / "home", url=postgres.new_database())
+    with moved.db() as db:
+        assert db.scalar(select(index.StoreIdentityRow.id)) == store_id
 
 
 def test_the_cli_takes_the_index_from_an_option_or_the_environment(pg_url, tmp_path, model_path, monkeypatch):

@@ -48,18 +48,28 @@ def pack_session(store, session_id: str, name: str) -> dict[str, int]:
 
 
 def _committed_blob(store, digest: str) -> blobs.Packed | None:
-    """The blob already committed for these bytes (a fork packed them first), kept as it is."""
+    """The blob already committed for these bytes (a fork packed them first), kept as it is, if its
+    file is there at its committed size; else None: the blob is written again, which also mends the
+    sessions that share it, before this session's raw files are freed."""
     with store.db() as db:
         row = db.get(BlobRow, digest)
-        return None if row is None else blobs.Packed(row.hash, row.frames, row.size, row.file_checksum)
+    if row is None:
+        return None
+    path = blobs.blob_path(store.blobs_dir, digest)
+    if not io.exists(path) or io.file_size(path) != row.size:
+        return None
+    return blobs.Packed(row.hash, row.frames, row.size, row.file_checksum)
 
 
 def _commit(store, new_rows: list) -> None:
     with store.db() as db, db.begin():
         for extent_id, p in new_rows:
-            if db.get(BlobRow, p.hash) is None:
+            row = db.get(BlobRow, p.hash)
+            if row is None:
                 db.add(BlobRow(hash=p.hash, frames=p.frames, size=p.size, file_checksum=p.file_checksum))
                 db.flush()
+            elif (row.frames, row.size, row.file_checksum) != (p.frames, p.size, p.file_checksum):
+                row.frames, row.size, row.file_checksum = p.frames, p.size, p.file_checksum  # written again
             if db.get(ExtentBlobRow, extent_id) is None:
                 db.add(ExtentBlobRow(extent_id=extent_id, blob_hash=p.hash))
 

@@ -111,6 +111,25 @@ def test_a_stale_blob_file_under_the_right_name_is_replaced_when_packing(store, 
         assert s.seq.cache.length == store.info("doc").n_cached
 
 
+def test_a_blob_file_lost_since_its_commit_is_written_again_by_the_next_pack(tmp_path, model):
+    """Two sessions with the same KV share blobs; the second pack relies on a committed blob only if
+    its file is there, so it never frees raw files for a blob that is gone (and mends the first)."""
+    store = kvstore.open_store(tmp_path / "home")
+    for name in ("a", "b"):
+        with store.new(name, model, seed=1, chunk_size=16) as s:
+            s.append_text(H.DOCUMENT)
+    store.pack("a")
+    lost = sorted(store.blobs_dir.glob("*.kvz"))
+    for path in lost:
+        path.unlink()
+    assert store.verify()["a"]  # a's KV is gone with its blobs
+    store.pack("b")
+    assert sorted(store.blobs_dir.glob("*.kvz")) == lost  # the same content: the same blob names
+    assert store.verify() == {"a": [], "b": []}
+    with store.open("a", model) as a:
+        assert a.seq.cache.length == store.info("a").n_cached
+
+
 def test_a_restored_or_forked_cache_has_room_for_the_next_tokens(store, model):
     """Growing a cache copies it whole: the first tokens after a resume or a fork must not."""
     with store.open("doc", model) as s:

@@ -6,8 +6,8 @@ session's cache, in order; forks share rows of `extents`), token_blocks (token i
 checkpoint), messages (chat turns), blobs (packed extents) and store_identity (which home the
 index serves: `identity`). The schema is portable (SQLite and PostgreSQL); what is one
 database's own lives only in `_sqlite_setup` or `_postgresql_setup`, and both run transactions
-one at a time (`make_engine`). Alembic migrations in the top-level
-`migrations/` folder (shipped as `kvstore.migrations`) are applied by `upgrade`.
+one at a time (`make_engine`). Alembic migrations in the top-level `migrations/` folder (shipped
+as `kvstore.migrations`) are applied by `upgrade`.
 """
 
 from __future__ import annotations

@@ -103,9 +103,12 @@ def register(cli: click.Group) -> None:
 @click.option("--system", "-s", help="System prompt of the chat.")
 @click.option("--seed", type=int, default=0, show_default=True,
               help="Sampling seed (draws depend on seed and position only).")
+@click.option("--chunk-size", type=click.IntRange(min=1), default=None,
+              help="Prefill chunk in tokens, a checkpoint after each [default: 512]; larger reads long "
+                   "texts faster, with fewer checkpoints.")
 @generation_options(continuing=False)
 @click.pass_obj
-def new(app, session: str, system: str | None, seed: int, **kwargs):
+def new(app, session: str, system: str | None, seed: int, chunk_size: int | None, **kwargs):
     """Create a session, read the input into it and stream the reply."""
     from kvstore.errors import SessionExists
     from kvstore.store import check_name
@@ -124,7 +127,7 @@ def new(app, session: str, system: str | None, seed: int, **kwargs):
         settings["checkpoint_every"] = o.checkpoint_every
     with Stops() as stops:
         try:
-            with store.new(session, model, seed=seed, system=system, **settings) as s:
+            with store.new(session, model, seed=seed, system=system, chunk_size=chunk_size, **settings) as s:
                 if text is None:
                     note(f"created session {session!r} (no input; `kvstore continue {session} -p ...` adds a turn)")
                     return

@@ -159,6 +159,7 @@ def session_lines(info) -> Iterator[tuple[str, str]]:
     yield "disk", human_bytes(info.disk_bytes)
     yield "seed", str(info.seed)
     yield "sampler", " ".join(f"{k}={v}" for k, v in info.sampler.items())
+    yield "checkpoints at", f"every {info.chunk_size:,} tokens read, every {info.checkpoint_every:,} generated"
     if info.parent is not None:
         yield "forked from", f"{info.parent} at {info.fork_position:,} tokens"
     elif info.fork_position is not None:

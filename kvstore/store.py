@@ -58,6 +58,8 @@ class SessionInfo:
     forks: list[str]
     seed: int
     sampler: dict[str, Any]
+    chunk_size: int  # prefill chunk, in tokens (a checkpoint after each)
+    checkpoint_every: int  # generated tokens between automatic checkpoints
     active_call: dict[str, Any] | None
     created_at: str
     updated_at: str
@@ -175,7 +177,8 @@ class Store:
                 name=row.name, id=row.id, model=row.model_fingerprint, model_source=model_row.source,
                 dtype=row.dtype, n_tokens=row.n_tokens, n_cached=row.n_cached, checkpoints=n_checkpoints,
                 disk_bytes=self._disk_bytes(db, row.id), parent=parent, fork_position=row.fork_position,
-                forks=forks, seed=row.seed, sampler=dict(row.sampler), active_call=row.active_call,
+                forks=forks, seed=row.seed, sampler=dict(row.sampler), chunk_size=row.chunk_size,
+                checkpoint_every=row.checkpoint_every, active_call=row.active_call,
                 created_at=row.created_at.isoformat(timespec="seconds"),
                 updated_at=row.updated_at.isoformat(timespec="seconds"))
 

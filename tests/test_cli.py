@@ -100,6 +100,16 @@ def test_new_records_checkpoint_every_and_writes_a_trace(model_dir, tmp_path):
     assert info("t")["checkpoints"] >= 1 + 10 // 3
 
 
+def test_new_reads_in_chunks_of_the_chosen_size(model_dir):
+    text = "The quick brown fox jumps over the lazy dog. " * 4
+    kv("new", "chunked", "--model", model_dir, "--raw", "-p", text, "-n", "0", "--chunk-size", "8")
+    i = info("chunked")
+    assert i["chunk_size"] == 8 and i["checkpoints"] >= (i["n_tokens"] - 1) // 8
+    assert "every 8 tokens read" in kv("show", "chunked").stdout
+    kv("new", "default-chunks", "--model", model_dir, "-p", "hi", "-n", "0")
+    assert info("default-chunks")["chunk_size"] == 512
+
+
 def test_verbose_timings_go_to_stderr_only(model_dir):
     r = make("v", model_dir, "--verbose")
     assert "model:" in r.stderr and "decode:" in r.stderr

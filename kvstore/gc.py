@@ -56,14 +56,15 @@ def _remove_dead_dirs(store, live: set[str]) -> int:
     count = 0
     for directory in io.listdir(store.sessions_dir):
         if io.is_dir(directory) and directory.name not in live:
+            if _segment_exists(store, directory.name):  # made since our snapshot: leave its lock alone
+                continue
             try:  # a folder being created by a writer right now holds its lock
-                lock = SessionLock(directory, directory.name).acquire()
+                lock = SessionLock(directory, directory.name).acquire(patience_s=0)
             except SessionBusy:
                 continue
             try:
-                with store.db() as db:  # created and committed since our snapshot?
-                    if db.get(SegmentRow, directory.name) is not None:
-                        continue
+                if _segment_exists(store, directory.name):  # committed while we took the lock?
+                    continue
                 _remove_tree(directory)
                 count += 1
             finally:
@@ -84,6 +85,11 @@ def _remove_dead_blobs(store, live: set[str]) -> int:
     return count
 
 
+def _segment_exists(store, segment_id: str) -> bool:
+    with store.db() as db:
+        return db.get(SegmentRow, segment_id) is not None
+
+
 def _remove_tree(directory) -> None:
     try:
         io.rmtree(directory)
@@ -92,15 +98,17 @@ def _remove_tree(directory) -> None:
 
 
 def _free_packed_segments(store, live: set[str]) -> int:
-    from .pack import free_packed_segment
+    from .pack import free_packed_segment, has_unpacked_extents
 
     freed = 0
     for segment_id in sorted(live):
         directory = store.session_dir(segment_id)
         if not any(segments.LAYER_FILE.fullmatch(p.name) for p in io.listdir(directory)):
             continue
+        if has_unpacked_extents(store, segment_id):  # the common case: asked without touching its lock
+            continue
         try:
-            lock = SessionLock(directory, segment_id).acquire()
+            lock = SessionLock(directory, segment_id).acquire(patience_s=0)
         except SessionBusy:
             continue
         try:

@@ -1,7 +1,8 @@
 """One writer per session (C7): an advisory `flock` on `sessions/<id>/.lock`.
 
-`acquire` never waits: a second writer gets `SessionBusy` at once. The kernel drops the lock when
-its holder dies, so a killed writer never leaves a session locked. The lock file goes through the
+A second writer gets `SessionBusy` at once: `acquire` waits only PATIENCE_S (0.1 s), so that a gc
+passing by (it holds a session's lock for one index query) is not taken for a writer.
+The kernel drops the lock when its holder dies, so a killed writer never leaves a session locked. The lock file goes through the
 store's I/O seam like every other file (`fileio.io.lock`).
 """
 
@@ -13,6 +14,9 @@ from pathlib import Path
 from .errors import SessionBusy
 from .fileio import io, reraise_full
 
+PATIENCE_S = 0.1  # longer than a gc's look at a session's folder, far shorter than any writer's hold
+FRESH_PATIENCE_S = 1.0
+
 
 class SessionLock:
     def __init__(self, directory: Path, name: str):
@@ -20,24 +24,35 @@ class SessionLock:
         self.name = name
         self.fd: int | None = None
 
-    def acquire(self, *, fresh: bool = False) -> "SessionLock":
-        """Take the lock, creating the folder if needed. `fresh`: the folder is new and has no index
-        row yet, so only a gc passing by can hold or remove it: wait for that instead of failing."""
-        for _ in range(100 if fresh else 3):
+    def acquire(self, *, fresh: bool = False, patience_s: float = PATIENCE_S) -> "SessionLock":
+        """Take the lock, creating the folder if needed. A lock that is freed within `patience_s` was a
+        gc looking at the folder and is waited for; one held longer is another writer: SessionBusy.
+        `fresh`: the folder is new and has no index row yet, so only a gc can hold or remove it:
+        wait up to FRESH_PATIENCE_S for it instead."""
+        deadline = time.monotonic() + (FRESH_PATIENCE_S if fresh else patience_s)
+        removed = 0
+        while True:
             try:
                 io.mkdir(self.path.parent)
                 self.fd = io.lock(self.path)
                 return self
             except FileNotFoundError:  # a gc removed the folder between the two calls: make it again
-                continue
+                removed += 1
+                if removed < 100:
+                    continue
+                raise SessionBusy(f"could not lock the folder of session {self.name!r}: a gc kept removing it; "
+                                  "try again") from None
             except BlockingIOError:
-                if not fresh:
-                    raise SessionBusy(f"session {self.name!r} is open for writing in another process; close "
-                                      "that one first (a killed writer releases it at once)") from None
-                time.sleep(0.01)
+                if time.monotonic() < deadline:
+                    time.sleep(0.005)
+                    continue
+                if fresh:
+                    raise SessionBusy(f"could not lock the new folder of session {self.name!r}: a gc held it; "
+                                      "try again") from None
+                raise SessionBusy(f"session {self.name!r} is open for writing in another process; close "
+                                  "that one first (a killed writer releases it at once)") from None
             except OSError as e:
                 reraise_full(e, f"locking session {self.name!r}")
-        raise SessionBusy(f"could not lock the folder of session {self.name!r}: a gc kept removing it; try again")
 
     def release(self) -> None:
         if self.fd is not None:

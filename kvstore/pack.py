@@ -74,12 +74,15 @@ def _commit(store, new_rows: list) -> None:
                 db.add(ExtentBlobRow(extent_id=extent_id, blob_hash=p.hash))
 
 
+def has_unpacked_extents(store, segment_id: str) -> bool:
+    with store.db() as db:
+        return db.scalar(select(ExtentRow.id).where(ExtentRow.segment_id == segment_id)
+                         .where(ExtentRow.id.not_in(select(ExtentBlobRow.extent_id))).limit(1)) is not None
+
+
 def free_packed_segment(store, segment_id: str) -> bool:
     """Delete a segment's layer files once every extent in it is packed (caller holds its lock)."""
-    with store.db() as db:
-        unpacked = db.scalar(select(ExtentRow.id).where(ExtentRow.segment_id == segment_id)
-                             .where(ExtentRow.id.not_in(select(ExtentBlobRow.extent_id))).limit(1))
-    if unpacked is not None:
+    if has_unpacked_extents(store, segment_id):
         return False
     directory = store.session_dir(segment_id)
     try:

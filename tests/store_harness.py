@@ -100,6 +100,50 @@ def child_new_document(home: str, model_path: str, name: str, text: str, chunk_s
     conn.send(("done", len(session.tokens)))
 
 
+def child_churn(home: str, url: str | None, model_path: str, prefix: str, rounds: int, conn) -> None:
+    """Sessions made, forked, packed and deleted in a loop (same seeds in every child: their packed
+    KV is identical, so the children share blobs); sends ("done", names kept)."""
+    torch.set_num_threads(1)
+    model = kvstore.load_model(model_path)
+    store = kvstore.open_store(home, url=url)
+    for i in range(rounds):
+        with store.new(f"{prefix}{i}", model, seed=i, chunk_size=8, checkpoint_every=2) as s:
+            s.append_text(DOCUMENT * 2)
+            list(s.generate(10, stop_at_eos=False))
+        store.fork(f"{prefix}{i}", f"{prefix}{i}-fork")
+        if i % 2:
+            store.pack(f"{prefix}{i}")
+            store.delete(f"{prefix}{i}")
+    conn.send(("done", sorted(n for n in store.names() if n.startswith(prefix))))
+
+
+def child_gc(home: str, url: str | None, rounds: int, conn) -> None:
+    """gc over and over while others write."""
+    store = kvstore.open_store(home, url=url)
+    for _ in range(rounds):
+        store.gc()
+    conn.send(("done", rounds))
+
+
+def churn_with_gc(home: str, url: str | None, model_path: str, model) -> None:
+    """Three children make, fork, pack and delete sessions (sharing blobs) while a fourth runs gc;
+    then every session kept is listed, verifies clean and opens."""
+    kvstore.open_store(home, url=url).close()
+    children = [start(child_churn, home, url, model_path, f"w{w}-", 4) for w in range(3)]
+    children.append(start(child_gc, home, url, 40))
+    kept = set()
+    for proc, conn in children:
+        done = [m for m in run_to_end(proc, conn, timeout=300) if m[0] == "done"]
+        kept.update(done[0][1] if isinstance(done[0][1], list) else [])
+    store = kvstore.open_store(home, url=url)
+    assert set(store.names()) == kept and len(kept) == 3 * (4 + 2)
+    assert all(not problems for problems in store.verify().values())
+    for name in sorted(kept):
+        with store.open(name, model) as s:
+            assert s.seq.cache.length == store.info(name).n_cached
+    store.close()
+
+
 def start(target, *args, ctx=None):
     """Run target(*args, conn) in a child (of `ctx`, else this module's forkserver); returns
     (process, parent end of the pipe). Keyword arguments go through `functools.partial(target, ...)`."""

@@ -205,6 +205,11 @@ def test_a_second_writer_is_busy_while_other_sessions_go_on(pg_url, tmp_path, mo
     assert store.verify() == {"a": [], "b": []}
 
 
+@pytest.mark.slow
+def test_writers_forks_packs_and_gc_at_once(pg_url, tmp_path, model_path, model):
+    H.churn_with_gc(str(tmp_path / "home"), pg_url, model_path, model)
+
+
 # -- errors ----------------------------------------------------------------------------------------------
 def test_bad_index_urls_get_clear_errors(tmp_path, postgres):
     home = tmp_path / "home"

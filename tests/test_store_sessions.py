@@ -4,13 +4,15 @@ only what nothing references, pack blobs shared between forks."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 import kvstore
 import store_harness as H
 from kvstore import blobs
 from kvstore.extents import read_layers, session_extents
-from kvstore.errors import SessionExists, SessionNotFound
+from kvstore.errors import SessionBusy, SessionExists, SessionNotFound
 
 
 @pytest.fixture(scope="module")
@@ -128,6 +130,40 @@ def test_a_blob_file_lost_since_its_commit_is_written_again_by_the_next_pack(tmp
     assert store.verify() == {"a": [], "b": []}
     with store.open("a", model) as a:
         assert a.seq.cache.length == store.info("a").n_cached
+
+
+def test_gc_takes_no_lock_of_a_session_with_unpacked_kv(store, model, monkeypatch):
+    """A gc looks at such sessions through the index only: it never holds their writer's lock, so
+    it cannot make their writer's open or pack fail."""
+    from kvstore import locking
+
+    taken = []
+    real = locking.SessionLock.acquire
+    monkeypatch.setattr(locking.SessionLock, "acquire", lambda self, **kw: taken.append(self.name) or real(self, **kw))
+    store.fork("doc", "child")
+    store.gc()
+    assert taken == []
+
+
+def test_a_lock_freed_while_waiting_is_taken_and_one_kept_is_busy(tmp_path):
+    from kvstore.locking import SessionLock
+
+    holder = SessionLock(tmp_path / "s", "s").acquire()
+    got = {}
+    waiter = threading.Thread(target=lambda: got.setdefault("lock", SessionLock(tmp_path / "s", "s").acquire(
+        patience_s=60)))
+    waiter.start()
+    holder.release()  # as a gc does after its look
+    waiter.join(60)
+    assert got["lock"].held
+    with pytest.raises(SessionBusy, match="open for writing in another process"):
+        SessionLock(tmp_path / "s", "s").acquire(patience_s=0)
+    got["lock"].release()
+
+
+@pytest.mark.slow
+def test_writers_forks_packs_and_gc_at_once(tmp_path, model):
+    H.churn_with_gc(str(tmp_path / "home"), None, str(model.source), model)
 
 
 def test_a_restored_or_forked_cache_has_room_for_the_next_tokens(store, model):

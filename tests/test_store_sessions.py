@@ -5,6 +5,7 @@ only what nothing references, pack blobs shared between forks."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -145,19 +146,31 @@ def test_gc_takes_no_lock_of_a_session_with_unpacked_kv(store, model, monkeypatc
     assert taken == []
 
 
-def test_a_lock_freed_while_waiting_is_taken_and_one_kept_is_busy(tmp_path):
-    from kvstore.locking import SessionLock
+def test_a_lock_freed_while_waiting_is_taken_and_one_kept_is_busy(tmp_path, monkeypatch):
+    from kvstore import locking
 
-    holder = SessionLock(tmp_path / "s", "s").acquire()
+    waiting = threading.Event()
+
+    class Clock:  # the locking module's clock, telling us when a waiter first sleeps
+        monotonic = staticmethod(time.monotonic)
+
+        @staticmethod
+        def sleep(seconds):
+            waiting.set()
+            time.sleep(seconds)
+
+    monkeypatch.setattr(locking, "time", Clock)
+    holder = locking.SessionLock(tmp_path / "s", "s").acquire()
     got = {}
-    waiter = threading.Thread(target=lambda: got.setdefault("lock", SessionLock(tmp_path / "s", "s").acquire(
+    waiter = threading.Thread(target=lambda: got.setdefault("lock", locking.SessionLock(tmp_path / "s", "s").acquire(
         patience_s=60)))
     waiter.start()
+    assert waiting.wait(60)  # the waiter found the lock held and waits
     holder.release()  # as a gc does after its look
     waiter.join(60)
     assert got["lock"].held
     with pytest.raises(SessionBusy, match="open for writing in another process"):
-        SessionLock(tmp_path / "s", "s").acquire(patience_s=0)
+        locking.SessionLock(tmp_path / "s", "s").acquire(patience_s=0)
     got["lock"].release()
 
 

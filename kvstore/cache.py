@@ -31,13 +31,7 @@ def with_room(n_tokens: int) -> int:
     return n_tokens + HEADROOM
 
 
-POOL = BufferPool(limit=512 << 20)  # flat uint8 CPU tensors of released caches
-
-
-def borrow(nbytes: int) -> torch.Tensor:
-    """A flat uint8 CPU buffer of at least nbytes, from `POOL` when it holds one; `POOL.give` it back."""
-    buf = POOL.take(nbytes)
-    return buf if buf is not None else torch.empty(nbytes, dtype=torch.uint8)
+POOL = BufferPool(limit=512 << 20, new=lambda n: torch.empty(n, dtype=torch.uint8))  # flat uint8 CPU tensors
 
 
 class KVCache:
@@ -66,7 +60,7 @@ class KVCache:
         if self.device.type != "cpu" or layer is None or capacity == 0:
             return torch.empty(shape, dtype=self.dtype, device=self.device)
         nbytes = capacity * self.token_shape[0] * self.n_kv_heads * self.head_dim * self.dtype.itemsize
-        flat = self._flat[layer] = borrow(nbytes)
+        flat = self._flat[layer] = POOL.borrow(nbytes)
         return flat[:nbytes].view(self.dtype).view(shape)
 
     def release(self) -> None:

@@ -102,7 +102,7 @@ def unpack_frame(payload, raw_size: int, itemsize: int, row_bytes: int, *, what:
         raise CorruptData(f"{what}: {raw_size} bytes are not whole token rows of {row_bytes} bytes")
     token_major = payload[:4] == PLANES_MARK
     plane_size = raw_size // itemsize
-    scratch = [_scratch(plane_size) for _ in range(itemsize)]
+    scratch = [SCRATCH.borrow(plane_size) for _ in range(itemsize)]
     try:
         planes = _inflate_planes(payload, len(PLANES_MARK) if token_major else 0, plane_size, scratch, what)
         if token_major:
@@ -128,12 +128,6 @@ def _inflate_planes(payload: memoryview, at: int, plane_size: int, into: list[np
     if at != len(payload):
         raise CorruptData(f"{what}: {len(payload) - at} stray bytes after the last byte plane")
     return planes
-
-
-def _scratch(nbytes: int) -> np.ndarray:
-    """A buffer of at least nbytes to inflate a plane into: a kept one (see `SCRATCH`) or a new one."""
-    buf = SCRATCH.take(nbytes)
-    return buf if buf is not None else np.empty(nbytes, np.uint8)
 
 
 def _unshuffle(raw: bytes, itemsize: int) -> np.ndarray:
@@ -170,7 +164,7 @@ def _inflate(frame, size: int, *, what: str, into: np.ndarray | None = None) -> 
     return out
 
 
-SCRATCH = BufferPool(limit=32 << 20)  # uint8 arrays the byte planes are inflated into
+SCRATCH = BufferPool(limit=32 << 20, new=lambda n: np.empty(n, np.uint8))  # where byte planes inflate
 
 
 def parallel_map(fn, items: Sequence, threads: int = 4) -> list:

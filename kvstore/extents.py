@@ -109,12 +109,12 @@ def _read_direct(cache, run: list[ExtentRef], home: Path, session: str) -> None:
     share in one task."""
     if not run:
         return
-    from .cache import POOL, borrow  # here: a cache exists, so torch is loaded
+    from .cache import POOL  # here: a cache exists, so torch is loaded
 
     end = run[-1].start + run[-1].n_tokens
     cache.reserve(end)
     packed = [ref for ref in run if ref.blob is not None]
-    buffers = [borrow(ref.blob.size) for ref in packed]  # reused memory for the blob bodies
+    buffers = [POOL.borrow(ref.blob.size) for ref in packed]  # reused memory for the blob bodies
     try:
         bodies = dict(zip([ref.extent_id for ref in packed], codec.parallel_map(
             lambda i: blobs.read_body(home / "blobs", packed[i].blob.hash, packed[i].blob.file_checksum,

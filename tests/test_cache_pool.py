@@ -32,11 +32,12 @@ def buffers(pool: BufferPool) -> list[int]:
 @pytest.mark.parametrize("new", [lambda n: torch.empty(n, dtype=torch.uint8), lambda n: np.empty(n, np.uint8)],
                          ids=["torch", "numpy"])
 def test_the_pool_hands_out_the_smallest_buffer_that_fits_and_keeps_within_its_limit(new):
-    pool = BufferPool(limit=1000)
+    pool = BufferPool(limit=1000, new=new)
     for n in (100, 400, 300):
         pool.give(new(n))
     assert pool.take(250).nbytes == 300
     assert pool.take(500) is None
+    assert pool.borrow(500).nbytes == 500 and buffers(pool) == [100, 400]  # a new one: none fits
     assert buffers(pool) == [100, 400]
     pool.give(new(2000))  # larger than the limit: not kept
     assert buffers(pool) == [100, 400]

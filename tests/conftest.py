@@ -19,6 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 
 import engine_models  # noqa: E402
+import kvstore  # noqa: E402
 import pg_server  # noqa: E402
 
 TEST_HOME_ENV = "KVSTORE_TEST_HOME"
@@ -78,6 +79,18 @@ def one_thread():
 
 
 # -- tiny random models --------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def model_path(tiny) -> str:
+    """The tiny Llama with grouped-query attention that the store tests run on (a Hugging Face folder)."""
+    return str(tiny("llama-gqa").folder)
+
+
+@pytest.fixture(scope="module")
+def model(model_path):
+    """That model, loaded (once per test module)."""
+    return kvstore.load_model(model_path)
+
+
 @pytest.fixture(scope="session")
 def tiny_tokenizer():
     return engine_models.build_tokenizer()

@@ -20,11 +20,6 @@ def empty_pool():
     POOL.clear()
 
 
-@pytest.fixture(scope="module")
-def model(tiny):
-    return kvstore.load_model(tiny("llama-gqa").folder)
-
-
 def buffers(pool: BufferPool) -> list[int]:
     return sorted(b.nbytes for b in pool._free)
 

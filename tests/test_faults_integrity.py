@@ -21,11 +21,6 @@ SECTOR, PAGE = 512, mmap.PAGESIZE
 
 
 @pytest.fixture(scope="module")
-def model(tiny):
-    return kvstore.load_model(tiny("llama-gqa").folder)
-
-
-@pytest.fixture(scope="module")
 def small(tmp_path_factory, model):
     """A closed session whose KV is two small extents (2 tokens at offset 0, 1 at the next page),
     its export, and its packed copy."""

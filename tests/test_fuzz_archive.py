@@ -32,11 +32,6 @@ PATHS = ["../../escape", "/etc/passwd", "..", "a/../../b", "link -> /etc", "C:\\
 
 
 @pytest.fixture(scope="module")
-def model(tiny):
-    return kvstore.load_model(tiny("llama-gqa").folder)
-
-
-@pytest.fixture(scope="module")
 def archive(tmp_path_factory, model) -> bytes:
     root = tmp_path_factory.mktemp("archive")
     store = kvstore.open_store(root / "home")

@@ -17,11 +17,6 @@ from kvstore.errors import StoreMismatch
 from kvstore.identity import MARKER
 
 
-@pytest.fixture(scope="module")
-def model(tiny):
-    return kvstore.load_model(tiny("llama-gqa").folder)
-
-
 def index_id(store) -> str:
     with store.db() as db:
         return db.scalar(select(index.StoreIdentityRow.id))

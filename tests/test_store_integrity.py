@@ -25,16 +25,6 @@ from kvstore.errors import (CorruptData, InvalidName, ModelMismatch, SessionBusy
                             UnsupportedFormat)
 
 
-@pytest.fixture(scope="module")
-def model_path(tiny):
-    return str(tiny("llama-gqa").folder)
-
-
-@pytest.fixture(scope="module")
-def model(model_path):
-    return kvstore.load_model(model_path)
-
-
 @pytest.fixture
 def store(tmp_path):
     return kvstore.open_store(tmp_path / "home")

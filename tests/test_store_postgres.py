@@ -31,16 +31,6 @@ N_NEW = 24
 
 
 @pytest.fixture(scope="module")
-def model_path(tiny):
-    return str(tiny("llama-gqa").folder)
-
-
-@pytest.fixture(scope="module")
-def model(model_path):
-    return kvstore.load_model(model_path)
-
-
-@pytest.fixture(scope="module")
 def reference(tmp_path_factory, model):
     """(tokens, trace lines by position) of an uninterrupted sampled run, its index in SQLite."""
     tmp = tmp_path_factory.mktemp("reference")

@@ -17,16 +17,6 @@ N_NEW = 48
 MODES = {"greedy": {}, "sampled": H.SAMPLED}
 
 
-@pytest.fixture(scope="module")
-def model_path(tiny):
-    return str(tiny("llama-gqa").folder)
-
-
-@pytest.fixture(scope="module")
-def model(model_path):
-    return kvstore.load_model(model_path)
-
-
 @pytest.fixture(scope="module", params=sorted(MODES))
 def mode(request):
     return request.param

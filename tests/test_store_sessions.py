@@ -16,11 +16,6 @@ from kvstore.extents import read_layers, session_extents
 from kvstore.errors import SessionBusy, SessionExists, SessionNotFound
 
 
-@pytest.fixture(scope="module")
-def model(tiny):
-    return kvstore.load_model(tiny("llama-gqa").folder)
-
-
 @pytest.fixture
 def store(tmp_path, model):
     store = kvstore.open_store(tmp_path / "home")
@@ -175,8 +170,8 @@ def test_a_lock_freed_while_waiting_is_taken_and_one_kept_is_busy(tmp_path, monk
 
 
 @pytest.mark.slow
-def test_writers_forks_packs_and_gc_at_once(tmp_path, model):
-    H.churn_with_gc(str(tmp_path / "home"), None, str(model.source), model)
+def test_writers_forks_packs_and_gc_at_once(tmp_path, model_path, model):
+    H.churn_with_gc(str(tmp_path / "home"), None, model_path, model)
 
 
 def test_a_restored_or_forked_cache_has_room_for_the_next_tokens(store, model):

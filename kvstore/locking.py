@@ -1,9 +1,9 @@
 """One writer per session (C7): an advisory `flock` on `sessions/<id>/.lock`.
 
 A second writer gets `SessionBusy` at once: `acquire` waits only PATIENCE_S (0.1 s), so that a gc
-passing by (it holds a session's lock for one index query) is not taken for a writer.
-The kernel drops the lock when its holder dies, so a killed writer never leaves a session locked. The lock file goes through the
-store's I/O seam like every other file (`fileio.io.lock`).
+passing by (it holds a session's lock for one index query) is not taken for a writer. The kernel
+drops the lock when its holder dies, so a killed writer never leaves a session locked. The lock
+file goes through the store's I/O seam like every other file (`fileio.io.lock`).
 """
 
 from __future__ import annotations

@@ -64,6 +64,16 @@ def reference_run(home: Path, model, name: str, n_new: int, trace: Path, *, seed
     return tokens
 
 
+def assert_matches(reference, tokens, trace_lines):
+    """Contract C1: `tokens` and every traced line equal the uninterrupted run's (tokens, lines by position)."""
+    ref_tokens, ref_lines = reference
+    assert tokens == ref_tokens
+    got = by_position(trace_lines)
+    assert got, "the resumed run traced nothing"
+    for position, line in got.items():
+        assert line == ref_lines[position], f"position {position} differs from the uninterrupted run"
+
+
 # -- children --------------------------------------------------------------------------------------
 def _report(conn):
     def on_checkpoint(head, n_tokens, n_cached):

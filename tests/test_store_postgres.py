@@ -47,9 +47,7 @@ def new_session(home, url, model, name="s"):
 
 def continue_to_end(session, reference, trace):
     list(session.generate(len(reference[0]) - len(session.tokens), trace=trace, stop_at_eos=False))
-    assert session.tokens == reference[0]
-    lines = H.by_position(H.read_trace(trace))
-    assert lines and all(line == reference[1][pos] for pos, line in lines.items())
+    H.assert_matches(reference, session.tokens, H.read_trace(trace))
 
 
 def revision(engine) -> str | None:

@@ -38,15 +38,6 @@ def new_session(home, model, mode, name="s"):
     return store, s
 
 
-def assert_matches(reference, tokens, trace_lines):
-    ref_tokens, ref_lines = reference
-    assert tokens == ref_tokens
-    got = H.by_position(trace_lines)
-    assert got, "the resumed run traced nothing"
-    for position, line in got.items():
-        assert line == ref_lines[position], f"position {position} differs from the uninterrupted run"
-
-
 def test_close_and_reopen_in_the_same_process(tmp_path, model, mode, reference):
     store, s = new_session(tmp_path / "home", model, mode)
     trace = tmp_path / "t.jsonl"
@@ -54,7 +45,7 @@ def test_close_and_reopen_in_the_same_process(tmp_path, model, mode, reference):
     s.close()
     with store.open("s", model) as s:
         list(s.generate(N_NEW - N_NEW // 3, trace=trace, stop_at_eos=False))
-        assert_matches(reference, s.tokens, H.read_trace(trace))
+        H.assert_matches(reference, s.tokens, H.read_trace(trace))
 
 
 def test_resume_into_reused_memory_full_of_nans(tmp_path, model, mode, reference):
@@ -73,7 +64,7 @@ def test_resume_into_reused_memory_full_of_nans(tmp_path, model, mode, reference
     with store.open("s", model) as s:
         assert {t.untyped_storage().data_ptr() for t in s.seq.cache.layers} <= dirty
         list(s.generate(N_NEW - N_NEW // 2, trace=trace, stop_at_eos=False))
-        assert_matches(reference, s.tokens, H.read_trace(trace))
+        H.assert_matches(reference, s.tokens, H.read_trace(trace))
 
 
 def test_resume_in_a_new_process(tmp_path, model_path, model, mode, reference):
@@ -82,7 +73,7 @@ def test_resume_in_a_new_process(tmp_path, model_path, model, mode, reference):
     trace = tmp_path / "t.jsonl"
     proc, conn = H.start(H.child_generate, str(tmp_path / "home"), model_path, "s", N_NEW, str(trace), 2)
     H.run_to_end(proc, conn)
-    assert_matches(reference, store.tokens("s"), H.read_trace(trace))
+    H.assert_matches(reference, store.tokens("s"), H.read_trace(trace))
 
 
 def test_cache_reloads_with_identical_bytes(tmp_path, model, mode):
@@ -113,7 +104,7 @@ def test_sigkill_at_a_random_moment_during_generation(tmp_path, model_path, mode
                 pass
         else:  # killed before the call was first recorded, or after it ended
             list(s.generate(len(reference[0]) - len(s.tokens), trace=trace, stop_at_eos=False))
-        assert_matches(reference, s.tokens, H.read_trace(trace))
+        H.assert_matches(reference, s.tokens, H.read_trace(trace))
 
 
 @pytest.mark.slow
@@ -152,7 +143,7 @@ def test_fork_then_continue_replays_the_parent(tmp_path, model, mode, reference)
     s.close()
     trace = tmp_path / "child.jsonl"
     list(child.generate(N_NEW - 20, trace=trace, stop_at_eos=False))
-    assert_matches(reference, child.tokens, H.read_trace(trace))
+    H.assert_matches(reference, child.tokens, H.read_trace(trace))
     child.close()
 
 
@@ -164,7 +155,7 @@ def test_store_level_fork_then_continue(tmp_path, model, mode, reference):
     trace = tmp_path / "t.jsonl"
     with store.open("copy", model) as c:
         list(c.generate(N_NEW - 10, trace=trace, stop_at_eos=False))
-        assert_matches(reference, c.tokens, H.read_trace(trace))
+        H.assert_matches(reference, c.tokens, H.read_trace(trace))
 
 
 def test_pack_then_unpack_on_open(tmp_path, model, mode, reference):
@@ -177,7 +168,7 @@ def test_pack_then_unpack_on_open(tmp_path, model, mode, reference):
     trace = tmp_path / "t.jsonl"
     with store.open("s", model) as s:
         list(s.generate(N_NEW - 10, trace=trace, stop_at_eos=False))
-        assert_matches(reference, s.tokens, H.read_trace(trace))
+        H.assert_matches(reference, s.tokens, H.read_trace(trace))
 
 
 def test_export_then_import_into_another_home(tmp_path, model, mode, reference):
@@ -190,7 +181,7 @@ def test_export_then_import_into_another_home(tmp_path, model, mode, reference):
     trace = tmp_path / "t.jsonl"
     with other.open("s", model) as s:
         list(s.generate(N_NEW - 10, trace=trace, stop_at_eos=False))
-        assert_matches(reference, s.tokens, H.read_trace(trace))
+        H.assert_matches(reference, s.tokens, H.read_trace(trace))
 
 
 def test_a_new_chat_turn_after_resume(tmp_path, model, mode):

@@ -271,13 +271,13 @@ def alembic_config(url: str):
     return cfg
 
 
-def upgrade(engine: Engine, url: str, revision: str = "head") -> None:
+def upgrade(engine: Engine, revision: str = "head") -> None:
     """Bring the schema to `revision` (no-op when it is there already)."""
     from alembic import command
     from alembic.runtime.migration import MigrationContext
     from alembic.script import ScriptDirectory
 
-    cfg = alembic_config(url)
+    cfg = alembic_config(engine.url.render_as_string(hide_password=False))
     script = ScriptDirectory.from_config(cfg)
     with engine.connect() as conn:
         current = MigrationContext.configure(conn).get_current_revision()

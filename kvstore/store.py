@@ -1,10 +1,11 @@
 """The Store: a home directory with the index and the KV files, and the verbs on whole sessions.
 
 `open_store(home=None, url=None)` finds the home (argument, $KVSTORE_HOME, click's app dir), opens
-the index (SQLite `kvstore.db` in the home unless `url` or $KVSTORE_INDEX names a PostgreSQL database),
-and migrates it. Sessions are created and opened here (`new`, `open`, both returning a writer
-`Session`), listed, described, forked without loading a model, deleted and garbage-collected;
-`verify`, `export` and `import_` live in their own modules and are exposed here.
+the index (SQLite `kvstore.db` in the home unless `url` or $KVSTORE_INDEX names a PostgreSQL
+database), migrates it and checks that the two belong together (`identity`). Sessions are created
+and opened here (`new`, `open`, both returning a writer `Session`), listed, described, forked
+without loading a model, deleted and garbage-collected; `verify`, `export` and `import_` live in
+their own modules and are exposed here.
 """
 
 from __future__ import annotations
@@ -340,7 +341,7 @@ def open_store(home: str | os.PathLike | None = None, url: str | None = None) ->
                                "session files; it was truncated or replaced, or is another database. Restore it, "
                                "or move the sessions folder away to start afresh")
         make_dir(sessions)
-        upgrade(store.engine, store.engine.url.render_as_string(hide_password=False))
+        upgrade(store.engine)
         bind_home(store)
     except DatabaseError as e:
         store.close()

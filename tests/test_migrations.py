@@ -16,7 +16,7 @@ from kvstore.errors import UnsupportedFormat
 def test_a_blank_database_upgrades_to_the_models(tmp_path):
     url = f"sqlite:///{tmp_path / 'k.db'}"
     engine = index.make_engine(url)
-    index.upgrade(engine, url)
+    index.upgrade(engine)
     with engine.connect() as conn:
         assert compare_metadata(MigrationContext.configure(conn), index.Base.metadata) == []
 

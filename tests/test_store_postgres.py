@@ -62,7 +62,7 @@ def head_revision() -> str:
 # -- schema ------------------------------------------------------------------------------------------
 def test_a_blank_database_migrates_to_the_models(pg_url):
     engine = index.make_engine(pg_url)
-    index.upgrade(engine, engine.url.render_as_string(hide_password=False))
+    index.upgrade(engine)
     assert revision(engine) == head_revision()
     with engine.connect() as conn:
         assert compare_metadata(MigrationContext.configure(conn), index.Base.metadata) == []

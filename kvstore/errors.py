@@ -75,5 +75,10 @@ class StoreMismatch(KvstoreError):
     """The home and the index belong to different stores (one index serves one home)."""
 
 
+class IndexBusy(KvstoreError):
+    """Another process kept the index locked longer than a transaction waits (`index.LOCK_WAIT_S`);
+    nothing was changed."""
+
+
 class IndexUnavailable(KvstoreError):
     """The index database cannot be used: not a SQLite or PostgreSQL URL, no driver, server unreachable."""

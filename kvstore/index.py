@@ -26,7 +26,7 @@ from sqlalchemy.engine import URL, Engine, make_url
 from sqlalchemy.exc import ArgumentError, NoSuchModuleError, OperationalError
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-from .errors import IndexUnavailable, StoreFull, UnsupportedFormat
+from .errors import IndexBusy, IndexUnavailable, StoreFull, UnsupportedFormat
 
 
 def utcnow() -> dt.datetime:
@@ -191,6 +191,7 @@ def make_engine(url: str) -> Engine:
         _sqlite_setup(engine)
     else:
         _postgresql_setup(engine)
+    _report_lock_waits(engine)
     return engine
 
 
@@ -258,6 +259,27 @@ def _postgresql_setup(engine: Engine) -> None:
         conn.exec_driver_sql(f"SELECT pg_advisory_xact_lock({WRITER_LOCK_KEY})")
 
 
+def sqlstate(e: BaseException) -> str | None:
+    """The PostgreSQL SQLSTATE of a driver error (psycopg names it `sqlstate`, psycopg2 `pgcode`)."""
+    return getattr(e, "sqlstate", None) or getattr(e, "pgcode", None)
+
+
+def _lock_wait_ran_out(e: BaseException) -> bool:
+    """SQLite's SQLITE_BUSY after the busy timeout, PostgreSQL's lock_not_available (55P03)."""
+    return "database is locked" in str(e) or sqlstate(e) == "55P03"
+
+
+def _report_lock_waits(engine: Engine) -> None:
+    """A transaction that waited LOCK_WAIT_S for another raises IndexBusy instead of the driver's error."""
+
+    @event.listens_for(engine, "handle_error")
+    def _on_error(ctx):
+        if isinstance(ctx.sqlalchemy_exception, OperationalError) and _lock_wait_ran_out(ctx.original_exception):
+            return IndexBusy(f"the index {shown_url(engine)} stayed locked by another process for {LOCK_WAIT_S} s "
+                             "(a stopped or hung kvstore, or another program holding the database); "
+                             "nothing was changed: try again once it has finished")
+
+
 def migrations_dir() -> Path:
     return Path(str(resources.files("kvstore.migrations")))
 
@@ -300,7 +322,7 @@ def store_full_on_disk_full(what: str):
     try:
         yield
     except OperationalError as e:
-        if "full" in str(e.orig).lower() or getattr(e.orig, "sqlstate", None) == "53100":
+        if "full" in str(e.orig).lower() or sqlstate(e.orig) == "53100":
             raise StoreFull(f"{what}: the disk is full; the last checkpoint is intact. "
                             "Free some space (kvstore gc, kvstore rm) and try again") from e
         raise

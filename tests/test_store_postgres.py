@@ -23,7 +23,7 @@ from sqlalchemy import select
 import kvstore
 import store_harness as H
 from kvstore import index
-from kvstore.errors import IndexUnavailable, SessionBusy, StoreMismatch, StoreMissing
+from kvstore.errors import IndexBusy, IndexUnavailable, SessionBusy, StoreMismatch, StoreMissing
 from kvstore.identity import MARKER
 from kvstore_cli.main import cli
 
@@ -171,6 +171,22 @@ def test_transactions_take_turns(pg_url, tmp_path):
         assert not listed.wait(0.5)  # cannot happen while this transaction holds the lock
     waiter.join(30)
     assert listed.is_set()
+    store.close()
+    other.close()
+
+
+def test_a_transaction_held_past_the_wait_is_index_busy(pg_url, tmp_path, model, monkeypatch):
+    """A transaction that another one keeps waiting longer than LOCK_WAIT_S raises IndexBusy, changes
+    nothing, and the next try goes through once the other has finished."""
+    monkeypatch.setattr(index, "LOCK_WAIT_S", 1)
+    store = kvstore.open_store(tmp_path / "home", url=pg_url)
+    other = kvstore.open_store(tmp_path / "home", url=pg_url)
+    with store.engine.begin():
+        with pytest.raises(IndexBusy, match="locked by another process for 1 s.*nothing was changed"):
+            other.new("s", model)
+    assert other.list() == []
+    other.new("s", model).close()
+    assert [i.name for i in store.list()] == ["s"]
     store.close()
     other.close()
 

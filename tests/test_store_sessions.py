@@ -4,6 +4,7 @@ only what nothing references, pack blobs shared between forks."""
 
 from __future__ import annotations
 
+import sqlite3
 import threading
 import time
 
@@ -11,9 +12,9 @@ import pytest
 
 import kvstore
 import store_harness as H
-from kvstore import blobs
+from kvstore import blobs, index
 from kvstore.extents import read_layers, session_extents
-from kvstore.errors import SessionBusy, SessionExists, SessionNotFound
+from kvstore.errors import IndexBusy, SessionBusy, SessionExists, SessionNotFound
 
 
 @pytest.fixture
@@ -167,6 +168,23 @@ def test_a_lock_freed_while_waiting_is_taken_and_one_kept_is_busy(tmp_path, monk
     with pytest.raises(SessionBusy, match="open for writing in another process"):
         locking.SessionLock(tmp_path / "s", "s").acquire(patience_s=0)
     got["lock"].release()
+
+
+def test_an_index_locked_past_the_wait_is_index_busy(tmp_path, model, monkeypatch):
+    """Another program holding kvstore.db's write lock longer than LOCK_WAIT_S: IndexBusy, nothing
+    changed; the next try goes through once it lets go."""
+    monkeypatch.setattr(index, "LOCK_WAIT_S", 1)
+    store = kvstore.open_store(tmp_path)
+    other = sqlite3.connect(tmp_path / "kvstore.db", isolation_level=None)
+    other.execute("BEGIN IMMEDIATE")
+    with pytest.raises(IndexBusy, match="locked by another process for 1 s.*nothing was changed"):
+        store.new("s", model)
+    other.execute("ROLLBACK")
+    other.close()
+    assert store.list() == []
+    store.new("s", model).close()
+    assert [i.name for i in store.list()] == ["s"]
+    store.close()
 
 
 @pytest.mark.slow

@@ -18,7 +18,7 @@ from typing import IO, Any, Callable, Iterator
 
 import click
 
-from .render import PrefillBar, Stream, Timer, note, rate
+from .render import Stream, Timer, note, prefill_bar, rate
 
 DEFAULT_MODEL = "smollm2"
 DEFAULT_MAX_NEW_TOKENS = 256
@@ -205,7 +205,7 @@ def run_turn(s, text: str | None, o: Options, stops: "Stops") -> None:
         pieces = decode(s, s.generate(o.max_new_tokens, trace=o.trace, **o.sampling), stops)
     elif o.raw:
         timer = Timer()
-        with PrefillBar(start=s.seq.cache.length, on_chunk=stops.check) as bar:
+        with prefill_bar(s.seq.cache.length, on_chunk=stops.check) as bar:
             added = s.append_text(text, progress=bar)
         o.stat(f"prefill: {added:,} tokens in {timer.elapsed:.2f} s ({rate(added, timer.elapsed)})")
         pieces = decode(s, s.generate(o.max_new_tokens, trace=o.trace, **o.sampling), stops)

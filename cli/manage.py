@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from .render import echo_json, human_bytes, note, show_session, summary_text, table
+from .render import bytes_bar, echo_json, human_bytes, note, show_session, summary_text, table
 
 
 def register(cli: click.Group) -> None:
@@ -123,7 +123,8 @@ def rm(app, session: str):
 @click.pass_obj
 def export(app, session: str, output: Path):
     """Write a session to one self-describing archive file."""
-    summary = app.store.export(session, output)
+    with bytes_bar("export") as bar:
+        summary = app.store.export(session, output, progress=bar)
     note(f"exported {session!r} to {output} ({human_bytes(summary['bytes'])}, {summary['tokens']:,} tokens)")
 
 
@@ -133,7 +134,8 @@ def export(app, session: str, output: Path):
 @click.pass_obj
 def import_(app, file: Path, name: str | None):
     """Import an archive; every checksum is verified before storing."""
-    imported = app.store.import_(file, name=name)
+    with bytes_bar("import") as bar:
+        imported = app.store.import_(file, name=name, progress=bar)
     note(f"imported {file} as {imported!r}")
 
 
@@ -142,7 +144,8 @@ def import_(app, file: Path, name: str | None):
 @click.pass_obj
 def pack(app, session: str):
     """Compress a paused session's KV into blobs; free its raw files."""
-    summary = app.store.pack(session)
+    with bytes_bar("pack") as bar:
+        summary = app.store.pack(session, progress=bar)
     details = summary_text(summary)
     note(f"packed {session!r}" + (f": {details}" if details else ""))
 
@@ -152,7 +155,8 @@ def pack(app, session: str):
 @click.pass_obj
 def verify(app, session: str | None):
     """Check every checksum and the index; exit 1 if anything is wrong."""
-    report = app.store.verify(session)
+    with bytes_bar("verify") as bar:
+        report = app.store.verify(session, progress=bar)
     bad = {name: problems for name, problems in report.items() if problems}
     for name in report:
         if name in bad:

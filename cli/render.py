@@ -1,8 +1,9 @@
 """What the command shows: the streamed reply on stdout; progress, timings and notes on stderr.
 
 stdout carries only what a script wants to capture (the reply, a listing, JSON). Everything about
-the run itself goes to stderr: the prefill progress bar (on a terminal, for long inputs), the
-`--verbose` timing lines, and the note printed when a generation is stopped.
+the run itself goes to stderr: progress bars (on a terminal, for long prefills, exports, imports,
+packs and verifies), the `--verbose` timing lines, and the note printed when a generation is
+stopped.
 """
 
 from __future__ import annotations
@@ -14,11 +15,12 @@ from typing import Any, Callable, Iterable, Iterator
 
 import click
 from rich.console import Console
-from rich.progress import (BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn,
-                           TimeElapsedColumn)
+from rich.progress import (BarColumn, DownloadColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn,
+                           TimeElapsedColumn, TransferSpeedColumn)
 from rich.text import Text
 
 LONG_INPUT = 256  # tokens; shorter prefills finish before a bar would be worth drawing
+LONG_BYTES = 256 << 20  # KV bytes; about a second of export, import, pack or verify here
 
 
 def human_bytes(n: int) -> str:
@@ -69,44 +71,56 @@ class Timer:
         return time.perf_counter() - self.start
 
 
-class PrefillBar:
-    """A rich progress bar with tokens/s for a prefill, drawn only on a terminal and for long inputs.
+class Bar:
+    """A rich progress bar on stderr, drawn only on a terminal and only for jobs of at least `at_least`
+    units (shorter ones end before a bar is worth drawing). Call it as the library's
+    `progress(done, total)` callback; `done` counts from `start` (a prefill passes absolute positions).
+    `on_step` runs after every call (the CLI checks its stop conditions there)."""
 
-    Call it as the library's `progress(done, total)` callback (absolute positions).
-    """
-
-    def __init__(self, start: int, on_chunk: Callable[[], None] | None = None):
-        self.start = start
-        self.on_chunk = on_chunk
+    def __init__(self, label: str, unit: str, at_least: int, *, start: int = 0,
+                 on_step: Callable[[], None] | None = None):
+        self.label, self.unit, self.at_least, self.start, self.on_step = label, unit, at_least, start, on_step
         self.progress = None
         self.task = None
         self.done = start
 
     def __call__(self, done: int, total: int) -> None:
         self.done = done
-        if self.progress is None and total - self.start >= LONG_INPUT and stderr_is_terminal():
+        if self.progress is None and total - self.start >= self.at_least and stderr_is_terminal():
             self._open(total - self.start)
         if self.progress is not None:
             self.progress.update(self.task, completed=done - self.start)
-        if self.on_chunk is not None:
-            self.on_chunk()
+        if self.on_step is not None:
+            self.on_step()
 
     def _open(self, total: int) -> None:
-        self.progress = Progress(TextColumn("prefill"), BarColumn(), MofNCompleteColumn(), TextColumn("tokens"),
-                                 RateColumn(), TimeElapsedColumn(), console=Console(stderr=True))
+        amounts = [DownloadColumn(binary_units=True), TransferSpeedColumn()] if self.unit == "bytes" else \
+            [MofNCompleteColumn(), TextColumn(self.unit), RateColumn()]
+        self.progress = Progress(TextColumn(self.label), BarColumn(), *amounts, TimeElapsedColumn(),
+                                 console=Console(stderr=True))
         self.progress.start()
-        self.task = self.progress.add_task("prefill", total=total)
+        self.task = self.progress.add_task(self.label, total=total)
 
     def close(self) -> None:
         if self.progress is not None:
             self.progress.stop()
             self.progress = None
 
-    def __enter__(self) -> "PrefillBar":
+    def __enter__(self) -> "Bar":
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def prefill_bar(start: int, on_chunk: Callable[[], None] | None = None) -> Bar:
+    """Tokens and tokens/s of a prefill that starts at position `start`."""
+    return Bar("prefill", "tokens", LONG_INPUT, start=start, on_step=on_chunk)
+
+
+def bytes_bar(label: str) -> Bar:
+    """KV bytes and their rate for export, import, pack and verify."""
+    return Bar(label, "bytes", LONG_BYTES)
 
 
 class RateColumn(ProgressColumn):

@@ -17,7 +17,7 @@ import os
 import struct
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import xxhash
@@ -26,12 +26,13 @@ from sqlalchemy import select
 from . import codec, segments
 from .codec import ITEMSIZE
 from .errors import CorruptData, KvstoreError, ModelMismatch, SessionExists, UnsupportedFormat
-from .extents import read_layers, session_extents
+from .extents import kv_bytes, read_layers, session_extents
 from .fileio import io
 from .index import (CheckpointRow, ExtentRow, MessageRow, ModelRow, SegmentRow, SessionExtentRow, SessionRow,
                     TokenBlockRow, utcnow)
 from .locking import SessionLock
 from .sampling import SamplerSettings
+from .progress import Progress, Tally
 from .store import check_name, encode_tokens, read_tokens
 
 MAGIC = b"\x89KVS\r\n\x1a\n"
@@ -52,8 +53,9 @@ FIELDS = {  # every field a manifest of any readable version may hold, by sectio
 
 
 # -- export ------------------------------------------------------------------------------------------
-def export_session(store, name: str, path: Path) -> dict[str, Any]:
-    """Write `name` to `path` atomically (temp file, fsync, rename). Returns a summary."""
+def export_session(store, name: str, path: Path, progress: Progress | None = None) -> dict[str, Any]:
+    """Write `name` to `path` atomically (temp file, fsync, rename), one extent in memory at a time.
+    Returns a summary; `progress(done, total)` gets the KV bytes read so far after each extent."""
     with store.db() as db:
         row = store.row(db, name)
         model = db.get(ModelRow, row.model_fingerprint)
@@ -63,18 +65,6 @@ def export_session(store, name: str, path: Path) -> dict[str, Any]:
                      "token_end": m.token_end}
                     for m in db.scalars(select(MessageRow).where(MessageRow.session_id == row.id)
                                         .order_by(MessageRow.ordinal))]
-    itemsize = ITEMSIZE[row.dtype]
-    frames, extents, offset = [], [], 0
-    for ref in refs:
-        used = ref.n_tokens * ref.token_bytes
-        entry = {"start": ref.start, "n_tokens": ref.n_tokens, "frames": []}
-        for data in read_layers(ref, store.home, itemsize, session=name):
-            frame = codec.pack_frame(data[:used], itemsize, ref.token_bytes)
-            entry["frames"].append({"offset": offset, "size": len(frame), "raw_size": used,
-                                    "xxh3": codec.checksum(data[:used])})
-            frames.append(frame)
-            offset += len(frame)
-        extents.append(entry)
     manifest = {
         "format": "kvstore-archive", "version": VERSION,
         "session": {"name": row.name, "seed": row.seed, "sampler": row.sampler, "chunk_size": row.chunk_size,
@@ -83,23 +73,62 @@ def export_session(store, name: str, path: Path) -> dict[str, Any]:
         "model": {"fingerprint": model.fingerprint, "arch": model.arch, "config": model.config,
                   "source": model.source},
         "token_bytes": refs[0].token_bytes if refs else _token_bytes(row.kv_layout, row.dtype),
-        "tokens": tokens, "messages": messages, "extents": extents, "data_size": offset,
+        "tokens": tokens, "messages": messages, "extents": [], "data_size": 0,
     }
-    body = json.dumps(manifest, separators=(",", ":")).encode()
-    header = HEADER.pack(MAGIC, VERSION, 0, len(body), xxhash.xxh3_64_intdigest(body))
-    _write_atomic(path, [header, body, *frames])
-    return {"bytes": HEADER.size + len(body) + offset, "extents": len(extents), "tokens": len(tokens)}
+    room = len(_manifest_bytes(manifest, refs, widest=True))
+    data_start = HEADER.size + room
+
+    read = Tally(progress, sum(kv_bytes(ref) for ref in refs))
+
+    def write(fd: int) -> int:  # the data region first, then the manifest and header before it
+        offset = 0
+        for ref in refs:
+            offset = _export_extent(store, name, row.dtype, ref, manifest["extents"], fd, data_start, offset)
+            read.add(kv_bytes(ref))
+        manifest["data_size"] = offset
+        body = _manifest_bytes(manifest, refs, widest=False).ljust(room)  # JSON allows trailing spaces
+        io.pwrite(fd, HEADER.pack(MAGIC, VERSION, 0, room, xxhash.xxh3_64_intdigest(body)) + body, 0)
+        return data_start + offset
+
+    size = _write_atomic(path, write)
+    return {"bytes": size, "extents": len(refs), "tokens": len(tokens)}
 
 
-def _write_atomic(path: Path, parts: list[bytes]) -> None:
+def _export_extent(store, name: str, dtype: str, ref, entries: list, fd: int, data_start: int, offset: int) -> int:
+    """Compress and write one extent's layers at `offset` in the data region; returns the new offset."""
+    itemsize, used = ITEMSIZE[dtype], ref.n_tokens * ref.token_bytes
+    entry = {"start": ref.start, "n_tokens": ref.n_tokens, "frames": []}
+    for data in read_layers(ref, store.home, itemsize, session=name):
+        frame = codec.pack_frame(data[:used], itemsize, ref.token_bytes)
+        io.pwrite(fd, frame, data_start + offset)
+        entry["frames"].append({"offset": offset, "size": len(frame), "raw_size": used,
+                                "xxh3": codec.checksum(data[:used])})
+        offset += len(frame)
+    entries.append(entry)
+    return offset
+
+
+def _manifest_bytes(manifest: dict[str, Any], refs: list, *, widest: bool) -> bytes:
+    """The manifest as UTF-8 JSON. `widest` puts the largest possible value in every number the data
+    region decides (offsets, sizes, checksums): the length the header must leave room for."""
+    if widest:
+        big, digest = 2 ** 64 - 1, "f" * 16  # offsets and sizes are below 2**64; an xxh3-64 is 16 hex digits
+        manifest = {**manifest, "data_size": big, "extents": [
+            {"start": r.start, "n_tokens": r.n_tokens,
+             "frames": [{"offset": big, "size": big, "raw_size": r.n_tokens * r.token_bytes, "xxh3": digest}]
+             * len(r.checksums)} for r in refs]}
+    return json.dumps(manifest, separators=(",", ":")).encode()
+
+
+def _write_atomic(path: Path, write: Callable[[int], int]) -> int:
+    """`write(fd)` fills a temp file beside `path`; fsynced, it replaces `path` (and the folder is
+    fsynced). Returns what `write` returned. On any error the temp file is removed and `path` is
+    untouched."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     fd = io.open(tmp, create=True)
     try:
         io.truncate(fd, 0)
-        offset = 0
-        for part in parts:
-            io.pwrite(fd, part, offset)
-            offset += len(part)
+        result = write(fd)
         io.fsync(fd)
     except BaseException:
         io.close(fd)
@@ -108,6 +137,7 @@ def _write_atomic(path: Path, parts: list[bytes]) -> None:
     io.close(fd)
     io.rename(tmp, path)
     io.fsync_dir(path.parent if str(path.parent) else Path("."))
+    return result
 
 
 # -- import ------------------------------------------------------------------------------------------
@@ -140,8 +170,9 @@ def read_manifest(path: Path) -> tuple[dict[str, Any], int, int]:
     return manifest, HEADER.size + length, size - HEADER.size - length
 
 
-def import_session(store, path: Path, name: str | None, model) -> str:
-    """Verify the archive at `path` completely, then commit it as a new session; returns its name."""
+def import_session(store, path: Path, name: str | None, model, progress: Progress | None = None) -> str:
+    """Verify the archive at `path` completely, then commit it as a new session; returns its name.
+    `progress(done, total)` gets the KV bytes inflated and verified so far after each extent."""
     manifest, data_start, data_size = read_manifest(path)
     plan = _validate(manifest, data_size, path.name)
     name = check_name(name if name is not None else plan["session"]["name"])
@@ -160,7 +191,7 @@ def import_session(store, path: Path, name: str | None, model) -> str:
     directory = store.session_dir(session_id)
     lock = SessionLock(directory, name).acquire(fresh=True)  # gc leaves a folder alone while it is locked
     try:
-        written = _write_extents(path, plan, data_start, directory)
+        written = _write_extents(path, plan, data_start, directory, progress)
         _commit(store, plan, name, session_id, written)
     except BaseException:
         _discard(directory)
@@ -170,9 +201,11 @@ def import_session(store, path: Path, name: str | None, model) -> str:
     return name
 
 
-def _write_extents(path: Path, plan: dict[str, Any], data_start: int, directory: Path) -> list:
+def _write_extents(path: Path, plan: dict[str, Any], data_start: int, directory: Path,
+                   progress: Progress | None) -> list:
     """Inflate and verify every frame, appending each extent to the new segment (not yet committed)."""
     itemsize, end, written = ITEMSIZE[plan["session"]["dtype"]], 0, []
+    inflated = Tally(progress, sum(fr["raw_size"] for extent in plan["extents"] for fr in extent["frames"]))
     n_kv, hd = plan["session"]["kv_layout"]["per_token"][1:]
     fd = io.open_read(path)
     try:
@@ -192,6 +225,7 @@ def _write_extents(path: Path, plan: dict[str, Any], data_start: int, directory:
             w = segments.append(directory, end, tensors, names_synced=bool(written))
             end = w.end
             written.append((extent, w))
+            inflated.add(sum(fr["raw_size"] for fr in extent["frames"]))
     finally:
         io.close(fd)
     return written

@@ -39,6 +39,11 @@ class ExtentRef:
         return self.extent_tokens * self.token_bytes
 
 
+def kv_bytes(ref: ExtentRef) -> int:
+    """Raw KV bytes of the whole extent, every layer: the unit of progress for jobs over extents."""
+    return ref.raw_size * len(ref.checksums)
+
+
 def session_extents(db: DB, session_id: str) -> list[ExtentRef]:
     rows = db.execute(
         select(SessionExtentRow, ExtentRow, SegmentRow, BlobRow)

@@ -12,17 +12,20 @@ from __future__ import annotations
 from sqlalchemy import select
 
 from . import blobs, codec, segments
-from .extents import read_layers, session_extents
+from .extents import kv_bytes, read_layers, session_extents
 from .index import BlobRow, ExtentBlobRow, ExtentRow, SessionRow
 from .fileio import io, reraise_full
+from .progress import Progress, Tally
 
 
-def pack_session(store, session_id: str, name: str) -> dict[str, int]:
-    """Pack every unpacked extent of the session; returns raw and packed byte counts."""
+def pack_session(store, session_id: str, name: str, progress: Progress | None = None) -> dict[str, int]:
+    """Pack every unpacked extent of the session; returns raw and packed byte counts.
+    `progress(done, total)` gets the KV bytes of the extents packed so far."""
     with store.db() as db:
         refs = [r for r in session_extents(db, session_id) if r.blob is None]
         dtype_size = codec.ITEMSIZE[db.get(SessionRow, session_id).dtype]
-    raw_bytes = packed_bytes = 0
+    packed_bytes = 0
+    raw = Tally(progress, sum(kv_bytes(ref) for ref in refs))
     new_rows = []
     lock = blobs.hold(store.home, shared=True)  # no gc deletes a blob between its write and our commit
     try:
@@ -32,8 +35,8 @@ def pack_session(store, session_id: str, name: str) -> dict[str, int]:
             packed = _committed_blob(store, digest) or \
                 blobs.pack(store.blobs_dir, layers, dtype_size, ref.token_bytes, digest)
             new_rows.append((ref.extent_id, packed))
-            raw_bytes += ref.raw_size * len(layers)
             packed_bytes += packed.size
+            raw.add(kv_bytes(ref))
         if new_rows:  # the blobs' names (some perhaps left by an earlier, killed run) and the folder's own
             try:
                 io.fsync_dir(store.blobs_dir)
@@ -44,7 +47,7 @@ def pack_session(store, session_id: str, name: str) -> dict[str, int]:
     finally:
         io.unlock(lock)
     free_packed_segment(store, session_id)
-    return {"extents": len(refs), "raw_bytes": raw_bytes, "packed_bytes": packed_bytes}
+    return {"extents": len(refs), "raw_bytes": raw.done, "packed_bytes": packed_bytes}
 
 
 def _committed_blob(store, digest: str) -> blobs.Packed | None:

@@ -27,11 +27,10 @@ from .index import (CheckpointRow, store_full_on_disk_full, ExtentRow, MessageRo
 from .locking import SessionLock
 from .sampling import SamplerSettings
 from . import segments
+from .progress import Progress
 from .store import encode_tokens, fork_rows, kv_layout, read_tokens
 from .tokenizer import StreamDecoder
 from .trace import TraceWriter
-
-Progress = Callable[[int, int], None]
 
 
 class Session:
@@ -305,12 +304,13 @@ class Session:
         seq = Sequence(self.model, cache, self.seq.tokens[:child.n_tokens], chunk_size=self.seq.chunk_size)
         return Session(self.store, child, self.model, seq, lock, 0, messages)
 
-    def pack(self) -> dict[str, int]:
-        """Checkpoint, then move this session's extents into compressed blobs and free its KV files."""
+    def pack(self, *, progress: Progress | None = None) -> dict[str, int]:
+        """Checkpoint, then move this session's extents into compressed blobs and free its KV files;
+        `progress(done, total)` gets the KV bytes packed so far after each extent."""
         from .pack import pack_session
 
         self.checkpoint("pack")
-        return pack_session(self.store, self.id, self.name)
+        return pack_session(self.store, self.id, self.name, progress)
 
     def close(self) -> None:
         """Checkpoint, release the lock, and hand the cache's memory to the next session opened."""

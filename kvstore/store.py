@@ -29,6 +29,7 @@ from .index import (BlobRow, CheckpointRow, ExtentBlobRow, MessageRow, ModelRow,
                     SessionExtentRow, SessionRow, TokenBlockRow, make_engine, shown_url, upgrade, utcnow)
 from .locking import SessionLock
 from .paths import home_dir, index_url
+from .progress import Progress
 from .segments import LAYER_FILE
 
 NAME = re.compile(r"[^\W_][\w.:@+-]{0,127}")
@@ -231,30 +232,34 @@ class Store:
 
         return collect(self)
 
-    def verify(self, name: str | None = None) -> dict[str, list[str]]:
+    def verify(self, name: str | None = None, *, progress: Progress | None = None) -> dict[str, list[str]]:
+        """Problems per session (empty lists when sound); `progress(done, total)` gets KV bytes checked."""
         from .verify import verify_store
 
-        return verify_store(self, name)
+        return verify_store(self, name, progress)
 
-    def export(self, name: str, path: str | os.PathLike) -> dict[str, Any]:
+    def export(self, name: str, path: str | os.PathLike, *, progress: Progress | None = None) -> dict[str, Any]:
+        """Write one archive; `progress(done, total)` gets KV bytes after each extent."""
         from .archive import export_session
 
-        return export_session(self, name, Path(path))
+        return export_session(self, name, Path(path), progress)
 
-    def import_(self, path: str | os.PathLike, name: str | None = None, model=None) -> str:
+    def import_(self, path: str | os.PathLike, name: str | None = None, model=None, *,
+                progress: Progress | None = None) -> str:
+        """Verify an archive fully, then commit it as a new session; `progress` gets KV bytes verified."""
         from .archive import import_session
 
-        return import_session(self, Path(path), name, model)
+        return import_session(self, Path(path), name, model, progress)
 
-    def pack(self, name: str) -> dict[str, int]:
-        """Pack a paused session without loading its model."""
+    def pack(self, name: str, *, progress: Progress | None = None) -> dict[str, int]:
+        """Pack a paused session without loading its model; `progress` gets KV bytes packed."""
         from .pack import pack_session
 
         with self.db() as db:
             row = self.row(db, name)
         lock = SessionLock(self.session_dir(row.id), name).acquire()
         try:
-            return pack_session(self, row.id, name)
+            return pack_session(self, row.id, name, progress)
         finally:
             lock.release()
 

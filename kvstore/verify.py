@@ -12,21 +12,26 @@ from sqlalchemy import func, select
 
 from .codec import ITEMSIZE
 from .errors import CorruptData
-from .extents import read_layers, session_extents
+from .extents import kv_bytes, read_layers, session_extents
 from .index import CheckpointRow, ModelRow, SessionRow
+from .progress import Progress, Tally
 from .store import read_tokens
 
 
-def verify_store(store, name: str | None = None) -> dict[str, list[str]]:
+def verify_store(store, name: str | None = None, progress: Progress | None = None) -> dict[str, list[str]]:
+    """Problems per session; `progress(done, total)` gets the KV bytes checked so far, all sessions
+    together (an extent shared by forks counts once per session: each reads it)."""
     with store.db() as db:
         if name is not None:
             rows = [store.row(db, name)]
         else:
             rows = list(db.scalars(select(SessionRow).order_by(SessionRow.name)))
-    return {row.name: verify_session(store, row) for row in rows}
+        total = sum(kv_bytes(ref) for row in rows for ref in session_extents(db, row.id))
+    checked = Tally(progress, total)
+    return {row.name: verify_session(store, row, checked) for row in rows}
 
 
-def verify_session(store, row: SessionRow) -> list[str]:
+def verify_session(store, row: SessionRow, checked: Tally | None = None) -> list[str]:
     problems: list[str] = []
     with store.db() as db:
         if db.get(ModelRow, row.model_fingerprint) is None:
@@ -55,6 +60,8 @@ def verify_session(store, row: SessionRow) -> list[str]:
             read_layers(ref, store.home, ITEMSIZE[row.dtype], session=row.name)
         except CorruptData as e:
             problems.append(str(e))
+        if checked is not None:
+            checked.add(kv_bytes(ref))
     if position != row.n_cached:
         problems.append(f"extents cover {position} positions, head says {row.n_cached}")
     return problems

@@ -126,6 +126,20 @@ def test_prefill_bar_with_tokens_per_second_on_a_terminal(model_dir, monkeypatch
     assert "tok/s" in r.stderr and "prefill" in r.stderr
 
 
+def test_export_import_pack_and_verify_draw_byte_bars_on_a_terminal(model_dir, monkeypatch, tmp_path):
+    make("big", model_dir)
+    monkeypatch.setattr(render, "stderr_is_terminal", lambda: True)
+    monkeypatch.setattr(render, "LONG_BYTES", 1)
+    archive = str(tmp_path / "big.kvs")
+    for label, args in [("export", ["export", "big", "-o", archive]), ("import", ["import", archive, "--as", "copy"]),
+                        ("pack", ["pack", "copy"]), ("verify", ["verify"])]:
+        r = kv(*args)
+        assert label in r.stderr and "/s" in r.stderr, (label, r.stderr)
+        assert label not in r.stdout
+    monkeypatch.setattr(render, "LONG_BYTES", 1 << 40)  # a short job draws nothing
+    assert kv("verify").stderr == ""
+
+
 def test_threads_option_sets_torch_threads(model_dir):
     before = torch.get_num_threads()
     try:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 import uuid
 from pathlib import Path
@@ -27,7 +28,7 @@ from . import codec, segments
 from .codec import ITEMSIZE
 from .errors import CorruptData, KvstoreError, ModelMismatch, SessionExists, UnsupportedFormat
 from .extents import kv_bytes, read_layers, session_extents
-from .fileio import io
+from .fileio import io, temp_in_use
 from .index import (CheckpointRow, ExtentRow, MessageRow, ModelRow, SegmentRow, SessionExtentRow, SessionRow,
                     TokenBlockRow, utcnow)
 from .locking import SessionLock
@@ -39,6 +40,7 @@ MAGIC = b"\x89KVS\r\n\x1a\n"
 VERSION = 3
 READABLE = (1, 2, 3)  # they differ only in the payload encoding, which `codec` tells apart
 HEADER = struct.Struct("<8sIIQQ")  # magic, version, flags, manifest length, manifest xxh3-64
+TEMP_NAME = re.compile(r"\..+\.\d+\.tmp")  # .NAME.PID.tmp: an export in progress, or a killed one
 MAX_MANIFEST = 256 << 20
 MAX_FRAME_RAW = 1 << 30  # one layer of one extent: far above any real one, low enough to allocate
 FIELDS = {  # every field a manifest of any readable version may hold, by section
@@ -123,21 +125,31 @@ def _manifest_bytes(manifest: dict[str, Any], refs: list, *, widest: bool) -> by
 def _write_atomic(path: Path, write: Callable[[int], int]) -> int:
     """`write(fd)` fills a temp file beside `path`; fsynced, it replaces `path` (and the folder is
     fsynced). Returns what `write` returned. On any error the temp file is removed and `path` is
-    untouched."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = io.open(tmp, create=True)
+    untouched. The temp file is flocked while written; those of earlier exports to `path` that no
+    one holds (a killed export's) are removed first."""
+    folder = path.parent if str(path.parent) else Path(".")
+    _remove_abandoned_temps(folder, path.name)
+    tmp = folder / f".{path.name}.{os.getpid()}.tmp"
+    fd = io.lock(tmp)
     try:
         io.truncate(fd, 0)
         result = write(fd)
         io.fsync(fd)
+        io.rename(tmp, path)
     except BaseException:
-        io.close(fd)
+        io.unlock(fd)
         io.unlink(tmp)
         raise
-    io.close(fd)
-    io.rename(tmp, path)
-    io.fsync_dir(path.parent if str(path.parent) else Path("."))
+    io.unlock(fd)
+    io.fsync_dir(folder)
     return result
+
+
+def _remove_abandoned_temps(folder: Path, name: str) -> None:
+    for candidate in io.listdir(folder):
+        if TEMP_NAME.fullmatch(candidate.name) and candidate.name[1:].rsplit(".", 2)[0] == name \
+                and not temp_in_use(candidate):
+            io.unlink(candidate)
 
 
 # -- import ------------------------------------------------------------------------------------------

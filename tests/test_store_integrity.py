@@ -204,6 +204,26 @@ def _archive_parts(path: Path):
     return manifest, data[HEADER.size + length:]
 
 
+def test_an_export_clears_what_a_killed_export_to_the_same_file_left(saved, tmp_path):
+    """A killed export leaves its temp file (.NAME.PID.tmp); the next export to that file removes it,
+    but not one another export is still writing (it holds the file's flock), nor other files."""
+    from kvstore.fileio import io
+
+    abandoned = tmp_path / ".s.kvs.4242.tmp"
+    abandoned.write_bytes(b"half an archive")
+    live = io.lock(tmp_path / ".s.kvs.4343.tmp")
+    unrelated = [tmp_path / ".t.kvs.4242.tmp", tmp_path / ".s.kvs.notes"]
+    for path in unrelated:
+        path.write_text("keep")
+    try:
+        saved.export("s", tmp_path / "s.kvs")
+        assert not abandoned.exists()
+        assert (tmp_path / ".s.kvs.4343.tmp").exists() and all(p.exists() for p in unrelated)
+    finally:
+        io.unlock(live)
+    assert kvstore.open_store(tmp_path / "other").import_(tmp_path / "s.kvs") == "s"
+
+
 def _write_archive(path: Path, manifest, payload: bytes, version: int = 1) -> None:
     body = json.dumps(manifest).encode()
     path.write_bytes(HEADER.pack(MAGIC, version, 0, len(body), xxhash.xxh3_64_intdigest(body)) + body + payload)

@@ -12,6 +12,7 @@ the store as it was. Nothing in an archive is a path, and nothing is unpickled.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -125,24 +126,41 @@ def _manifest_bytes(manifest: dict[str, Any], refs: list, *, widest: bool) -> by
 def _write_atomic(path: Path, write: Callable[[int], int]) -> int:
     """`write(fd)` fills a temp file beside `path`; fsynced, it replaces `path` (and the folder is
     fsynced). Returns what `write` returned. On any error the temp file is removed and `path` is
-    untouched. The temp file is flocked while written; those of earlier exports to `path` that no
-    one holds (a killed export's) are removed first."""
+    untouched; an OSError of the file system names `path`, not the temp file. The temp file is
+    flocked while written; those of earlier exports to `path` that no one holds (a killed
+    export's) are removed first."""
     folder = path.parent if str(path.parent) else Path(".")
-    _remove_abandoned_temps(folder, path.name)
     tmp = folder / f".{path.name}.{os.getpid()}.tmp"
-    fd = io.lock(tmp)
+    try:
+        _remove_abandoned_temps(folder, path.name)
+        fd = io.lock(tmp)
+    except OSError as e:  # no such folder, not writable, full, ...
+        raise _archive_error(e, path) from e
     try:
         io.truncate(fd, 0)
         result = write(fd)
         io.fsync(fd)
         io.rename(tmp, path)
-    except BaseException:
+    except BaseException as e:
         io.unlock(fd)
         io.unlink(tmp)
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise _archive_error(e, path) from e
         raise
     io.unlock(fd)
-    io.fsync_dir(folder)
+    try:
+        io.fsync_dir(folder)
+    except OSError as e:
+        raise OSError(e.errno, f"the archive was written, but syncing its folder failed ({e.strerror}): a power "
+                      "loss could still undo it; export again to be sure", str(path)) from e
     return result
+
+
+def _archive_error(e: OSError, path: Path) -> OSError:
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return OSError(e.errno, "the disk is full; the archive was not written (free some space there, or "
+                       "export elsewhere)", str(path))
+    return OSError(e.errno, f"cannot write the archive ({e.strerror})", str(path))
 
 
 def _remove_abandoned_temps(folder: Path, name: str) -> None:

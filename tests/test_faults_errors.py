@@ -160,3 +160,27 @@ def test_enospc_during_a_writing_verb_is_store_full(kit, tmp_path, verb):
 @pytest.mark.parametrize("verb", WRITING_VERBS)
 def test_enospc_at_every_operation_of_a_writing_verb_is_store_full(kit, tmp_path, verb):
     enospc_during(kit, tmp_path, verb, every=True)
+
+
+def test_enospc_at_every_operation_of_an_export_says_the_archive_was_not_written(kit, tmp_path):
+    """A full disk where the archive goes: an OSError naming the archive, no temp file and no archive
+    (or, when only the folder's sync after the rename failed, the archive and a warning); the store
+    untouched; with space back, the export succeeds."""
+    ops = verb_ops(kit, "export")
+    template, floors = kit.template("export")
+    for i in [i for i, (name, _) in enumerate(ops) if name in SPACE]:
+        root = tmp_path / f"op{i}"
+        fs = FaultyIO()
+        store, action, base = torture.start_verb(torture.copy_template(template, root), kit.model, "export", fs)
+        fs.fail(base + i, errno.ENOSPC, sticky=True)
+        with fileio.use(fs):
+            with pytest.raises(OSError) as raised:
+                action()
+            fs.heal()
+        error, renamed = raised.value, i == len(ops) - 1  # the last operation syncs the renamed name
+        assert error.errno == errno.ENOSPC and error.filename == str(root / "out.kvs"), (ops[i], error)
+        assert ("syncing its folder failed" if renamed else "archive was not written") in str(error), ops[i]
+        assert (root / "out.kvs").exists() == renamed and not list(root.glob(".out.kvs.*")), ops[i]
+        action()
+        store.close()
+        torture.check(root, kit.model, kit.ref, "export", floors, acked=True)

@@ -28,7 +28,7 @@ from sqlalchemy import select
 from . import codec, segments
 from .codec import ITEMSIZE
 from .errors import CorruptData, KvstoreError, ModelMismatch, SessionExists, UnsupportedFormat
-from .extents import kv_bytes, read_layers, session_extents
+from .extents import kv_bytes, read_layers_unlocked, session_extents
 from .fileio import io, temp_in_use
 from .index import (CheckpointRow, ExtentRow, MessageRow, ModelRow, SegmentRow, SessionExtentRow, SessionRow,
                     TokenBlockRow, utcnow)
@@ -101,7 +101,7 @@ def _export_extent(store, name: str, dtype: str, ref, entries: list, fd: int, da
     """Compress and write one extent's layers at `offset` in the data region; returns the new offset."""
     itemsize, used = ITEMSIZE[dtype], ref.n_tokens * ref.token_bytes
     entry = {"start": ref.start, "n_tokens": ref.n_tokens, "frames": []}
-    for data in read_layers(ref, store.home, itemsize, session=name):
+    for data in read_layers_unlocked(store, ref, itemsize, session=name):
         frame = codec.pack_frame(data[:used], itemsize, ref.token_bytes)
         io.pwrite(fd, frame, data_start + offset)
         entry["frames"].append({"offset": offset, "size": len(frame), "raw_size": used,

@@ -4,11 +4,13 @@ An `ExtentRef` says: the first `n_tokens` of extent `extent_id` sit at positions
 [start, start + n_tokens) of the session. Its bytes are in the raw per-layer files of its segment,
 or, once packed, in a blob. `read_layers` returns the per-layer raw bytes of the whole extent after
 checking every checksum, so a flipped or missing byte is a `CorruptData` naming the session, the
-file, the layer and the extent, never garbage tokens.
+file, the layer and the extent, never garbage tokens; `read_layers_unlocked` does the same for
+readers that do not hold the session's lock, which a pack may overtake.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,6 +73,23 @@ def read_layers(ref: ExtentRef, home: Path, itemsize: int, *, session: str) -> l
     for i, (data, expected) in enumerate(zip(layers, ref.checksums)):
         segments.verify(data, expected, what=f"{what} (blob), layer {i}")
     return layers
+
+
+def read_layers_unlocked(store, ref: ExtentRef, itemsize: int, *, session: str) -> list[np.ndarray]:
+    """`read_layers` for a reader without the session's lock (verify, export). A pack in another
+    process may have moved the extent into a blob, and freed its raw file, since `ref` was read
+    from the index: the bytes are then read from that blob. Damage is still CorruptData."""
+    try:
+        return read_layers(ref, store.home, itemsize, session=session)
+    except CorruptData:
+        if ref.blob is not None:
+            raise
+        with store.db() as db:
+            blob = db.scalar(select(BlobRow).join(ExtentBlobRow, ExtentBlobRow.blob_hash == BlobRow.hash)
+                             .where(ExtentBlobRow.extent_id == ref.extent_id))
+        if blob is None:
+            raise
+        return read_layers(dataclasses.replace(ref, blob=blob), store.home, itemsize, session=session)
 
 
 RUN_BLOB_BYTES = 256 << 20  # compressed bytes of the blobs one run holds in memory at most (about)

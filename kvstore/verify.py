@@ -12,7 +12,7 @@ from sqlalchemy import func, select
 
 from .codec import ITEMSIZE
 from .errors import CorruptData
-from .extents import kv_bytes, read_layers, session_extents
+from .extents import kv_bytes, read_layers_unlocked, session_extents
 from .index import CheckpointRow, ModelRow, SessionRow
 from .progress import Progress, Tally
 from .store import read_tokens
@@ -57,7 +57,7 @@ def verify_session(store, row: SessionRow, checked: Tally | None = None) -> list
             problems.append(f"extent {ref.extent_id} is used for {ref.n_tokens} tokens but holds {ref.extent_tokens}")
         position = ref.start + ref.n_tokens
         try:
-            read_layers(ref, store.home, ITEMSIZE[row.dtype], session=row.name)
+            read_layers_unlocked(store, ref, ITEMSIZE[row.dtype], session=row.name)
         except CorruptData as e:
             problems.append(str(e))
         if checked is not None:

@@ -96,6 +96,30 @@ def test_packed_blobs_are_shared_between_forks(store, model):
     assert store.verify() == {"child": [], "doc": []}
 
 
+def test_verify_and_export_beside_a_pack_in_another_process_report_no_damage(store, model, tmp_path):
+    """A pack (another process: another store object) that moves the extents into blobs and frees the
+    raw files while a verify or an export reads them: both read the moved extents from the blobs."""
+    other = kvstore.open_store(store.home)
+    for job in ("verify", "export"):
+        with store.new(job, model, seed=2, chunk_size=16, checkpoint_every=4) as s:
+            s.append_text(H.DOCUMENT)
+            list(s.generate(10, stop_at_eos=False))
+        packed = []
+
+        def pack_once(done, total, name=job):  # after the first extent was read
+            if not packed:
+                packed.append(other.pack(name))
+
+        if job == "verify":
+            assert store.verify(job, progress=pack_once) == {job: []}
+        else:
+            store.export(job, tmp_path / "job.kvs", progress=pack_once)
+            assert store.import_(tmp_path / "job.kvs", name="imported") == "imported"
+            assert store.tokens("imported") == store.tokens(job) and store.verify("imported") == {"imported": []}
+        assert packed and packed[0]["extents"] > 1
+    other.close()
+
+
 def test_a_stale_blob_file_under_the_right_name_is_replaced_when_packing(store, model):
     """A killed pack (or an older kvstore's encoding) can leave a blob file no index row describes."""
     with store.db() as db:

@@ -28,7 +28,18 @@ def verify_store(store, name: str | None = None, progress: Progress | None = Non
             rows = list(db.scalars(select(SessionRow).order_by(SessionRow.name)))
         total = sum(kv_bytes(ref) for row in rows for ref in session_extents(db, row.id))
     checked = Tally(progress, total)
-    return {row.name: verify_session(store, row, checked) for row in rows}
+    report = {}
+    for row in rows:
+        problems = verify_session(store, row, checked)
+        if problems and not _still_there(store, row):  # deleted while being read: nothing to report
+            continue
+        report[row.name] = problems
+    return report
+
+
+def _still_there(store, row: SessionRow) -> bool:
+    with store.db() as db:
+        return db.get(SessionRow, row.id) is not None
 
 
 def verify_session(store, row: SessionRow, checked: Tally | None = None) -> list[str]:

@@ -120,6 +120,24 @@ def test_verify_and_export_beside_a_pack_in_another_process_report_no_damage(sto
     other.close()
 
 
+def test_a_session_deleted_while_verify_reads_it_is_left_out_of_the_report(store, model):
+    other = kvstore.open_store(store.home)
+    store.fork("doc", "kept")
+    with store.new("gone", model, seed=2, chunk_size=16) as s:
+        s.append_text(H.DOCUMENT)
+    gone_files = store.session_dir(store.info("gone").id)
+    deleted = []
+
+    def delete_once(done, total):  # after the first extent of "doc" was read, before "gone" is
+        if not deleted:
+            other.delete("gone")
+            deleted.append(other.gc())
+
+    assert store.verify(progress=delete_once) == {"doc": [], "kept": []}
+    assert deleted and not gone_files.exists()  # its files were gone when verify came to it
+    other.close()
+
+
 def test_a_stale_blob_file_under_the_right_name_is_replaced_when_packing(store, model):
     """A killed pack (or an older kvstore's encoding) can leave a blob file no index row describes."""
     with store.db() as db:

@@ -27,7 +27,7 @@ from sqlalchemy import select
 
 from . import codec, segments
 from .codec import ITEMSIZE
-from .errors import CorruptData, KvstoreError, ModelMismatch, SessionExists, UnsupportedFormat
+from .errors import CorruptData, KvstoreError, ModelMismatch, SessionExists, SessionNotFound, UnsupportedFormat
 from .extents import kv_bytes, read_layers_unlocked, session_extents
 from .fileio import io, temp_in_use
 from .index import (CheckpointRow, ExtentRow, MessageRow, ModelRow, SegmentRow, SessionExtentRow, SessionRow,
@@ -86,7 +86,13 @@ def export_session(store, name: str, path: Path, progress: Progress | None = Non
     def write(fd: int) -> int:  # the data region first, then the manifest and header before it
         offset = 0
         for ref in refs:
-            offset = _export_extent(store, name, row.dtype, ref, manifest["extents"], fd, data_start, offset)
+            try:
+                offset = _export_extent(store, name, row.dtype, ref, manifest["extents"], fd, data_start, offset)
+            except CorruptData:
+                if not store.still_there(row.id):  # its files were freed under us: not damage
+                    raise SessionNotFound(f"session {name!r} was deleted while it was being exported; "
+                                          "no archive was written") from None
+                raise
             read.add(kv_bytes(ref))
         manifest["data_size"] = offset
         body = _manifest_bytes(manifest, refs, widest=False).ljust(room)  # JSON allows trailing spaces

@@ -85,6 +85,11 @@ class Store:
     def session_dir(self, session_id: str) -> Path:
         return self.sessions_dir / session_id
 
+    def still_there(self, session_id: str) -> bool:
+        """Does the session still exist (a reader without its lock may be overtaken by a delete)?"""
+        with self.db() as db:
+            return db.get(SessionRow, session_id) is not None
+
     def row(self, db: DB, name: str) -> SessionRow:
         check_name(name)
         row = db.scalar(select(SessionRow).where(SessionRow.name == name))

@@ -31,15 +31,10 @@ def verify_store(store, name: str | None = None, progress: Progress | None = Non
     report = {}
     for row in rows:
         problems = verify_session(store, row, checked)
-        if problems and not _still_there(store, row):  # deleted while being read: nothing to report
+        if problems and not store.still_there(row.id):  # deleted while being read: nothing to report
             continue
         report[row.name] = problems
     return report
-
-
-def _still_there(store, row: SessionRow) -> bool:
-    with store.db() as db:
-        return db.get(SessionRow, row.id) is not None
 
 
 def verify_session(store, row: SessionRow, checked: Tally | None = None) -> list[str]:

@@ -138,6 +138,22 @@ def test_a_session_deleted_while_verify_reads_it_is_left_out_of_the_report(store
     other.close()
 
 
+def test_a_session_deleted_while_it_is_exported_is_not_found_and_no_archive_is_written(store, model, tmp_path):
+    other = kvstore.open_store(store.home)
+    with store.new("gone", model, seed=2, chunk_size=16) as s:
+        s.append_text(H.DOCUMENT)
+    deleted = []
+
+    def delete_once(done, total):  # after its first extent was written to the archive
+        if not deleted:
+            deleted.append(other.delete("gone"))
+
+    with pytest.raises(SessionNotFound, match="deleted while it was being exported"):
+        store.export("gone", tmp_path / "gone.kvs", progress=delete_once)
+    assert deleted and list(tmp_path.glob("*gone.kvs*")) == []
+    other.close()
+
+
 def test_a_stale_blob_file_under_the_right_name_is_replaced_when_packing(store, model):
     """A killed pack (or an older kvstore's encoding) can leave a blob file no index row describes."""
     with store.db() as db:

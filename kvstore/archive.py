@@ -33,8 +33,8 @@ from .fileio import io, temp_in_use
 from .index import (CheckpointRow, ExtentRow, MessageRow, ModelRow, SegmentRow, SessionExtentRow, SessionRow,
                     TokenBlockRow, utcnow)
 from .locking import SessionLock
-from .sampling import SamplerSettings
 from .progress import Progress, Tally
+from .sampling import SamplerSettings
 from .store import check_name, encode_tokens, read_tokens
 
 MAGIC = b"\x89KVS\r\n\x1a\n"

@@ -70,7 +70,7 @@ class Session:
             if len(tokens) != row.n_tokens:
                 raise CorruptData(f"session {name!r}: the index holds {len(tokens)} token ids, its head says "
                                   f"{row.n_tokens}; run `kvstore verify {name}`")
-            cache = load_cache(store.home, name, refs, model, row.n_cached)
+            cache = load_shared_cache(store, session_id, name, refs, model, row.n_cached)
             seq = Sequence(model, cache, tokens, chunk_size=row.chunk_size)
             return cls(store, row, model, seq, lock, seg.committed_end, messages)
         except BaseException:
@@ -352,6 +352,25 @@ def check_model(db, row: SessionRow, model) -> None:
         problems.append(f"its KV layout is {row.kv_layout}, the model's is {kv_layout(model)}")
     if problems:
         raise ModelMismatch(f"session {row.name!r} cannot continue with this model: " + "; ".join(problems))
+
+
+def load_shared_cache(store, session_id: str, name: str, refs, model, n_cached: int):
+    """`load_cache`, once more from the index if it fails: a fork's extents belong to its parent, and
+    a pack of the parent (which holds the parent's lock, not ours) may have moved them into blobs and
+    freed their raw files since `refs` was read. Damage fails the same way twice: CorruptData."""
+    try:
+        return load_cache(store.home, name, refs, model, n_cached)
+    except CorruptData:
+        with store.db() as db:
+            now = session_extents(db, session_id)
+        if _placement(now) == _placement(refs):
+            raise
+        return load_cache(store.home, name, now, model, n_cached)
+
+
+def _placement(refs) -> list[tuple[int, str | None]]:
+    """Which extents, and the blob each is packed in (None: in its raw files)."""
+    return [(r.extent_id, r.blob.hash if r.blob is not None else None) for r in refs]
 
 
 def load_cache(home: Path, name: str, refs, model, n_cached: int):

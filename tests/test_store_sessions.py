@@ -9,6 +9,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 import kvstore
 import store_harness as H
@@ -151,6 +152,30 @@ def test_a_session_deleted_while_it_is_exported_is_not_found_and_no_archive_is_w
     with pytest.raises(SessionNotFound, match="deleted while it was being exported"):
         store.export("gone", tmp_path / "gone.kvs", progress=delete_once)
     assert deleted and list(tmp_path.glob("*gone.kvs*")) == []
+    other.close()
+
+
+def test_a_fork_opened_while_its_parent_is_packed_elsewhere_loads_from_the_blobs(store, model, monkeypatch):
+    """The parent's pack (another process: it takes the parent's lock, not the fork's) lands between
+    the fork's open reading its extent list and reading the extents' raw files, which it frees."""
+    from kvstore import session as session_module
+
+    store.fork("doc", "child")
+    with store.open("child", model) as c:
+        expected = [t.clone() for t in c.seq.cache.state(0, c.seq.cache.length)]
+    other = kvstore.open_store(store.home)
+    load_cache, packed = session_module.load_cache, []
+
+    def pack_first(*args, **kwargs):
+        if not packed:
+            packed.append(other.pack("doc"))
+        return load_cache(*args, **kwargs)
+
+    monkeypatch.setattr(session_module, "load_cache", pack_first)
+    with store.open("child", model) as c:
+        got = c.seq.cache.state(0, c.seq.cache.length)
+        assert all(torch.equal(a, b) for a, b in zip(got, expected)) and len(got) == len(expected)
+    assert packed[0]["extents"] > 1 and not list(store.session_dir(store.info("doc").id).glob("*.kv"))
     other.close()
 
 

@@ -5,7 +5,7 @@ An `ExtentRef` says: the first `n_tokens` of extent `extent_id` sit at positions
 or, once packed, in a blob. `read_layers` returns the per-layer raw bytes of the whole extent after
 checking every checksum, so a flipped or missing byte is a `CorruptData` naming the session, the
 file, the layer and the extent, never garbage tokens; `read_layers_unlocked` does the same for
-readers that do not hold the session's lock, which a pack may overtake.
+readers that do not hold the lock of the extent's owner, which a pack may overtake.
 """
 
 from __future__ import annotations
@@ -76,9 +76,10 @@ def read_layers(ref: ExtentRef, home: Path, itemsize: int, *, session: str) -> l
 
 
 def read_layers_unlocked(store, ref: ExtentRef, itemsize: int, *, session: str) -> list[np.ndarray]:
-    """`read_layers` for a reader without the session's lock (verify, export). A pack in another
-    process may have moved the extent into a blob, and freed its raw file, since `ref` was read
-    from the index: the bytes are then read from that blob. Damage is still CorruptData."""
+    """`read_layers` for a reader without the lock of the session that owns the extent (verify,
+    export; pack, for the extents a fork shares with its parent). A pack in another process may have
+    moved the extent into a blob, and freed its raw file, since `ref` was read from the index: the
+    bytes are then read from that blob. Damage is still CorruptData."""
     try:
         return read_layers(ref, store.home, itemsize, session=session)
     except CorruptData:

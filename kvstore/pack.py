@@ -12,7 +12,7 @@ from __future__ import annotations
 from sqlalchemy import select
 
 from . import blobs, codec, segments
-from .extents import kv_bytes, read_layers, session_extents
+from .extents import kv_bytes, read_layers_unlocked, session_extents
 from .index import BlobRow, ExtentBlobRow, ExtentRow, SessionRow
 from .fileio import io, reraise_full
 from .progress import Progress, Tally
@@ -30,7 +30,7 @@ def pack_session(store, session_id: str, name: str, progress: Progress | None = 
     lock = blobs.hold(store.home, shared=True)  # no gc deletes a blob between its write and our commit
     try:
         for ref in refs:
-            layers = read_layers(ref, store.home, dtype_size, session=name)
+            layers = read_layers_unlocked(store, ref, dtype_size, session=name)  # a parent's pack may overtake us
             digest = blobs.content_hash(layers)
             packed = _committed_blob(store, digest) or \
                 blobs.pack(store.blobs_dir, layers, dtype_size, ref.token_bytes, digest)

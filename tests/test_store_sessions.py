@@ -179,6 +179,25 @@ def test_a_fork_opened_while_its_parent_is_packed_elsewhere_loads_from_the_blobs
     other.close()
 
 
+def test_a_fork_packed_while_its_parent_is_packed_elsewhere_shares_the_parents_blobs(store, model):
+    """Both packs read the parent's extents; the parent's (another process) commits first and frees
+    the raw files the fork's pack has yet to read: the fork's pack takes them from the blobs."""
+    store.fork("doc", "child")
+    other = kvstore.open_store(store.home)
+    packed = []
+
+    def parent_packs(done, total):  # after the fork's pack read its first extent
+        if not packed:
+            packed.append(other.pack("doc"))
+
+    store.pack("child", progress=parent_packs)
+    assert packed[0]["extents"] > 1
+    assert store.verify() == {"child": [], "doc": []}
+    blobs_before = sorted(store.blobs_dir.glob("*.kvz"))
+    assert store.gc()["blobs"] == 0 and sorted(store.blobs_dir.glob("*.kvz")) == blobs_before  # one set, shared
+    other.close()
+
+
 def test_a_stale_blob_file_under_the_right_name_is_replaced_when_packing(store, model):
     """A killed pack (or an older kvstore's encoding) can leave a blob file no index row describes."""
     with store.db() as db:

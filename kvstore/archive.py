@@ -241,7 +241,7 @@ def _write_extents(path: Path, plan: dict[str, Any], data_start: int, directory:
                    progress: Progress | None) -> list:
     """Inflate and verify every frame, appending each extent to the new segment (not yet committed)."""
     itemsize, end, written = ITEMSIZE[plan["session"]["dtype"]], 0, []
-    inflated = Tally(progress, sum(fr["raw_size"] for extent in plan["extents"] for fr in extent["frames"]))
+    inflated = Tally(progress, sum(_raw_size(extent) for extent in plan["extents"]))
     n_kv, hd = plan["session"]["kv_layout"]["per_token"][1:]
     fd = io.open_read(path)
     try:
@@ -261,10 +261,15 @@ def _write_extents(path: Path, plan: dict[str, Any], data_start: int, directory:
             w = segments.append(directory, end, tensors, names_synced=bool(written))
             end = w.end
             written.append((extent, w))
-            inflated.add(sum(fr["raw_size"] for fr in extent["frames"]))
+            inflated.add(_raw_size(extent))
     finally:
         io.close(fd)
     return written
+
+
+def _raw_size(extent: dict[str, Any]) -> int:
+    """Raw bytes of an archive extent, all layers."""
+    return sum(fr["raw_size"] for fr in extent["frames"])
 
 
 def _commit(store, plan: dict[str, Any], name: str, session_id: str, written: list) -> None:

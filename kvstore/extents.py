@@ -10,8 +10,7 @@ readers that do not hold the lock of the extent's owner, which a pack may overta
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -90,7 +89,7 @@ def read_layers_unlocked(store, ref: ExtentRef, itemsize: int, *, session: str) 
                              .where(ExtentBlobRow.extent_id == ref.extent_id))
         if blob is None:
             raise
-        return read_layers(dataclasses.replace(ref, blob=blob), store.home, itemsize, session=session)
+        return read_layers(replace(ref, blob=blob), store.home, itemsize, session=session)
 
 
 RUN_BLOB_BYTES = 256 << 20  # compressed bytes of the blobs one run holds in memory at most (about)

@@ -97,6 +97,18 @@ def test_packed_blobs_are_shared_between_forks(store, model):
     assert store.verify() == {"child": [], "doc": []}
 
 
+class Once:
+    """Another process overtaking a reader: `action` runs at the first call (given as a progress
+    callback, after the reader's first extent) and never again; `result` is what it returned."""
+
+    def __init__(self, action):
+        self.action, self.ran, self.result = action, False, None
+
+    def __call__(self, *_progress) -> None:
+        if not self.ran:
+            self.ran, self.result = True, self.action()
+
+
 def test_verify_and_export_beside_a_pack_in_another_process_report_no_damage(store, model, tmp_path):
     """A pack (another process: another store object) that moves the extents into blobs and frees the
     raw files while a verify or an export reads them: both read the moved extents from the blobs."""
@@ -105,19 +117,14 @@ def test_verify_and_export_beside_a_pack_in_another_process_report_no_damage(sto
         with store.new(job, model, seed=2, chunk_size=16, checkpoint_every=4) as s:
             s.append_text(H.DOCUMENT)
             list(s.generate(10, stop_at_eos=False))
-        packed = []
-
-        def pack_once(done, total, name=job):  # after the first extent was read
-            if not packed:
-                packed.append(other.pack(name))
-
+        packed = Once(lambda name=job: other.pack(name))  # after the first extent was read
         if job == "verify":
-            assert store.verify(job, progress=pack_once) == {job: []}
+            assert store.verify(job, progress=packed) == {job: []}
         else:
-            store.export(job, tmp_path / "job.kvs", progress=pack_once)
+            store.export(job, tmp_path / "job.kvs", progress=packed)
             assert store.import_(tmp_path / "job.kvs", name="imported") == "imported"
             assert store.tokens("imported") == store.tokens(job) and store.verify("imported") == {"imported": []}
-        assert packed and packed[0]["extents"] > 1
+        assert packed.result["extents"] > 1
     other.close()
 
 
@@ -127,15 +134,10 @@ def test_a_session_deleted_while_verify_reads_it_is_left_out_of_the_report(store
     with store.new("gone", model, seed=2, chunk_size=16) as s:
         s.append_text(H.DOCUMENT)
     gone_files = store.session_dir(store.info("gone").id)
-    deleted = []
+    deleted = Once(lambda: (other.delete("gone"), other.gc()))  # after the first extent of "doc" was read
 
-    def delete_once(done, total):  # after the first extent of "doc" was read, before "gone" is
-        if not deleted:
-            other.delete("gone")
-            deleted.append(other.gc())
-
-    assert store.verify(progress=delete_once) == {"doc": [], "kept": []}
-    assert deleted and not gone_files.exists()  # its files were gone when verify came to it
+    assert store.verify(progress=deleted) == {"doc": [], "kept": []}
+    assert deleted.ran and not gone_files.exists()  # its files were gone when verify came to it
     other.close()
 
 
@@ -143,15 +145,10 @@ def test_a_session_deleted_while_it_is_exported_is_not_found_and_no_archive_is_w
     other = kvstore.open_store(store.home)
     with store.new("gone", model, seed=2, chunk_size=16) as s:
         s.append_text(H.DOCUMENT)
-    deleted = []
-
-    def delete_once(done, total):  # after its first extent was written to the archive
-        if not deleted:
-            deleted.append(other.delete("gone"))
-
+    deleted = Once(lambda: other.delete("gone"))  # after its first extent was written to the archive
     with pytest.raises(SessionNotFound, match="deleted while it was being exported"):
-        store.export("gone", tmp_path / "gone.kvs", progress=delete_once)
-    assert deleted and list(tmp_path.glob("*gone.kvs*")) == []
+        store.export("gone", tmp_path / "gone.kvs", progress=deleted)
+    assert deleted.ran and list(tmp_path.glob("*gone.kvs*")) == []
     other.close()
 
 
@@ -164,18 +161,17 @@ def test_a_fork_opened_while_its_parent_is_packed_elsewhere_loads_from_the_blobs
     with store.open("child", model) as c:
         expected = [t.clone() for t in c.seq.cache.state(0, c.seq.cache.length)]
     other = kvstore.open_store(store.home)
-    load_cache, packed = session_module.load_cache, []
+    load_cache, packed = session_module.load_cache, Once(lambda: other.pack("doc"))
 
     def pack_first(*args, **kwargs):
-        if not packed:
-            packed.append(other.pack("doc"))
+        packed()
         return load_cache(*args, **kwargs)
 
     monkeypatch.setattr(session_module, "load_cache", pack_first)
     with store.open("child", model) as c:
         got = c.seq.cache.state(0, c.seq.cache.length)
         assert all(torch.equal(a, b) for a, b in zip(got, expected)) and len(got) == len(expected)
-    assert packed[0]["extents"] > 1 and not list(store.session_dir(store.info("doc").id).glob("*.kv"))
+    assert packed.result["extents"] > 1 and not list(store.session_dir(store.info("doc").id).glob("*.kv"))
     other.close()
 
 
@@ -184,14 +180,9 @@ def test_a_fork_packed_while_its_parent_is_packed_elsewhere_shares_the_parents_b
     the raw files the fork's pack has yet to read: the fork's pack takes them from the blobs."""
     store.fork("doc", "child")
     other = kvstore.open_store(store.home)
-    packed = []
-
-    def parent_packs(done, total):  # after the fork's pack read its first extent
-        if not packed:
-            packed.append(other.pack("doc"))
-
-    store.pack("child", progress=parent_packs)
-    assert packed[0]["extents"] > 1
+    packed = Once(lambda: other.pack("doc"))  # after the fork's pack read its first extent
+    store.pack("child", progress=packed)
+    assert packed.result["extents"] > 1
     assert store.verify() == {"child": [], "doc": []}
     blobs_before = sorted(store.blobs_dir.glob("*.kvz"))
     assert store.gc()["blobs"] == 0 and sorted(store.blobs_dir.glob("*.kvz")) == blobs_before  # one set, shared

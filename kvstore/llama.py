@@ -8,7 +8,8 @@ pos..pos+T-1 and attends to 0..pos+T-1.
 Speed at this size is a matter of kernel calls, not FLOPs: Q/K/V and gate/up are fused into one
 matmul each, the residual add rides in the matmul (addmm/addmv), RMSNorm is one fused LayerNorm
 call, rotary works in place, K|V land in the cache with one copy. A chunk takes matrix kernels; one
-token with a cache (the decode loop) takes `_step`: vectors and matrix-vector kernels. Which path and
+token with a cache (the decode loop) takes `_step`: vectors and matrix-vector kernels (`matvec`:
+bfloat16 ones native where the CPU allows, see kvstore.native). Which path and
 kernels run depends on T alone, so a forward over [pos, pos+T) gives the same bits whatever ran
 before, the cache's capacity or the rotary table's length (contract C1's premise).
 """
@@ -24,6 +25,7 @@ import torch.nn.functional as F
 from .attention import attend_rows, causal_mask
 from .cache import KVCache
 from .config import ModelConfig
+from .matvec import add_matvec, matvec
 
 ROPE_BLOCK = 1024  # positions per rotary table block
 
@@ -160,7 +162,7 @@ class Llama:
             ffn = gate_up.shape[0] // 2
             x = add_matvec(x, L.w_down, F.silu(gate_up[:ffn]).mul_(gate_up[ffn:]), L.b_down)
         cache.advance(end)
-        return torch.mv(self.lm_head, norm(x, self.norm2)).float()[None]
+        return matvec(self.lm_head, norm(x, self.norm2)).float()[None]
 
 
 class VectorNorm:
@@ -177,18 +179,9 @@ class VectorNorm:
         return F.layer_norm(self.both, (2 * self.hidden,), weight2, None, self.eps)[:self.hidden]
 
 
-def matvec(w: torch.Tensor, x: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    return torch.mv(w, x) if b is None else torch.addmv(b, w, x)
-
-
-def add_matvec(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    """x + w @ y (+ b): the residual step of one token, one kernel where there is no bias."""
-    return torch.addmv(x, w, y) if b is None else x + torch.addmv(b, w, y)
-
-
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """x `[T, in]` @ w.T (+ b). One row takes the matrix-vector kernel (memory-bound; the generic
-    matmul path is slower at T=1 here). Which kernel runs depends on T alone, never on history."""
+    """x `[T, in]` @ w.T (+ b). One row takes the matrix-vector kernel (`matvec`: memory-bound; the
+    generic matmul path is slower at T=1 here). Which kernel runs depends on T alone, never on history."""
     if x.shape[0] == 1:
         return matvec(w, x[0], b)[None]
     return F.linear(x, w, b)

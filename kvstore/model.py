@@ -16,8 +16,8 @@ from typing import Sequence
 
 import torch
 
+from . import native, weight_cache
 from . import tokenizer as tok
-from . import weight_cache
 from .cache import KVCache
 from .config import ModelConfig
 from .errors import ModelError, UnsupportedModel
@@ -82,6 +82,8 @@ def load_model(spec: str | os.PathLike, dtype: str | torch.dtype | None = None, 
     else:
         raise ModelError(f"{spec}: no such file or folder, and not a known alias ({', '.join(ALIASES)})")
     weights = {k: v.to(dev) for k, v in weights.items()}
+    if dt == torch.bfloat16 and dev.type == "cpu":
+        native.gemv_bf16()  # settle the decode kernel now: a first build on this machine belongs to loading
     net = Llama(cfg, weights) if cfg.arch == "llama" else GPT2(cfg, weights)
     return Model(cfg, tokenizer, fp, dt, dev, str(path), net)
 

@@ -25,6 +25,13 @@ import pg_server  # noqa: E402
 TEST_HOME_ENV = "KVSTORE_TEST_HOME"
 
 
+def pytest_report_header(config):
+    """Which kernels decode bfloat16 here (builds the native one first, outside any test's time)."""
+    from kvstore import native
+
+    return f"kvstore bfloat16 decode: {native.status()}"
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

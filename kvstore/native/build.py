@@ -1,0 +1,131 @@
+"""Compile a C++ source against torch into a shared library in the user's cache, once per machine.
+
+`library(source) -> Path`: the library built from this source with this torch and these flags
+(their hash names the file), compiled first when it is missing. `load(source)` loads it into the
+process (`torch.ops.load_library`), building it again once if the file is damaged. Several processes may ask at once:
+an `flock` lets one compile while the others wait, and the kernel frees it if that one dies. The
+compiler writes a temp file that is fsynced and renamed into place, so a killed or failed build never
+leaves a half-written library under the final name; the next build removes such temp files.
+
+torch.utils.cpp_extension supplies the include and library paths and the C++ ABI; the compiler is run
+here because its `load` needs ninja and waits forever on the lock file of a build that was killed.
+Files live in $XDG_CACHE_HOME/kvstore/native (~/.cache by default), not in a store's home: the build
+belongs to the machine and the torch install, and a store home may be anywhere.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+from ..fileio import fsync_path
+
+BUILD_TIMEOUT_S = 600
+LOCK_TIMEOUT_S = 900  # longer than a build: a waiter gives up only on a builder that hangs
+
+
+class BuildError(Exception):
+    """The native library could not be built or loaded; the message says why and what to do."""
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "kvstore" / "native"
+
+
+def library(source: Path) -> Path:
+    """The built library for `source` (compiled now if missing)."""
+    command = compile_command(source)
+    key = hashlib.sha256(source.read_bytes() + "\0".join([torch.__version__, *command]).encode()).hexdigest()[:16]
+    folder = cache_dir()
+    lib = folder / f"{source.stem}-{key}.so"
+    if lib.exists():
+        return lib
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with _locked(folder / f"{source.stem}.lock"):
+            if not lib.exists():
+                _compile(command, folder, lib)
+    except OSError as e:
+        raise BuildError(f"cannot build {source.name} in {folder} ({e.strerror or e}); free some space there "
+                         "or set XDG_CACHE_HOME to a writable folder") from e
+    return lib
+
+
+def load(source: Path) -> Path:
+    """Build (if needed) and load the library; one that does not load is built again, once."""
+    lib = library(source)
+    try:
+        torch.ops.load_library(str(lib))
+    except OSError:
+        lib.unlink(missing_ok=True)  # damaged (say, a crash before its bytes reached the disk): anew
+        lib = library(source)
+        try:
+            torch.ops.load_library(str(lib))
+        except OSError as e:
+            raise BuildError(f"{lib} does not load ({e})") from e
+    return lib
+
+
+def compile_command(source: Path) -> list[str]:
+    """The compiler's arguments, output file left off (the temp file's name goes last)."""
+    from torch.utils.cpp_extension import include_paths, library_paths
+
+    compiler = os.environ.get("CXX") or "c++"
+    if shutil.which(compiler) is None:
+        raise BuildError(f"no C++ compiler ({compiler}) on PATH; install one (Debian: apt install g++) "
+                         "or set CXX")
+    flags = ["-O3", "-std=c++20", "-fPIC", "-shared", "-fopenmp",
+             f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
+    includes = [a for path in include_paths() for a in ("-isystem", path)]
+    links = [f"-L{path}" for path in library_paths()] + ["-lc10", "-ltorch_cpu"]
+    return [compiler, *flags, *includes, str(source), *links, "-o"]
+
+
+def _compile(command: list[str], folder: Path, lib: Path) -> None:
+    for stale in folder.glob(f".{lib.name}.*.tmp"):  # a killed build's; we hold the lock, so none is live
+        stale.unlink(missing_ok=True)
+    temp = folder / f".{lib.name}.{os.getpid()}.tmp"
+    try:
+        done = subprocess.run([*command, str(temp)], capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        temp.unlink(missing_ok=True)
+        raise BuildError(f"the compiler ran over {BUILD_TIMEOUT_S} s building {lib.name}") from None
+    if done.returncode != 0:
+        temp.unlink(missing_ok=True)
+        raise BuildError(f"the compiler failed on {lib.name}:\n{done.stderr.strip()[-2000:]}")
+    fsync_path(temp)
+    os.replace(temp, lib)
+    fsync_path(folder, os.O_DIRECTORY)
+
+
+class _locked:
+    """An exclusive flock on `path`, waited for up to LOCK_TIMEOUT_S."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.fd = -1
+
+    def __enter__(self) -> "_locked":
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        deadline = time.monotonic() + LOCK_TIMEOUT_S
+        while True:
+            try:
+                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return self
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    os.close(self.fd)
+                    raise BuildError(f"another process has held {self.path} for {LOCK_TIMEOUT_S} s while "
+                                     "building; stop it or remove the file") from None
+                time.sleep(0.05)
+
+    def __exit__(self, *exc) -> None:
+        os.close(self.fd)

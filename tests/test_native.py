@@ -1,0 +1,235 @@
+"""The native bfloat16 matrix-vector kernel (kvstore/native) and its build.
+
+The kernel: W @ x (+ add) close to a float64 product rounded to bfloat16, for any shape (tails of
+rows and columns included); its bits independent of the thread count and of the other rows; the
+decode step with it close to the step with torch's kernels and bit-identical run to run. Those
+tests skip, saying why, where this process decodes with torch's kernels (no AVX512-BF16, no
+compiler).
+
+The build: once per source and flags, in the cache folder; a failing compiler, a missing one, a
+killed build's temp file and a damaged library each handled (a plain C++ source stands in for the
+kernel, so these run anywhere a compiler does).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+import kvstore
+from kvstore import native
+from kvstore.matvec import add_matvec, matvec
+from kvstore.native import build
+
+needs_native = pytest.mark.skipif(native.gemv_bf16() is None, reason=f"this process uses {native.status()}")
+needs_compiler = pytest.mark.skipif(shutil.which(os.environ.get("CXX") or "c++") is None,
+                                    reason="no C++ compiler on PATH")
+
+
+def bf16(*shape, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(torch.bfloat16)
+
+
+def reference(w, x, add=None):
+    exact = w.double() @ x.double() + (0 if add is None else add.double())
+    return exact.to(torch.bfloat16)
+
+
+# -- the kernel ----------------------------------------------------------------------------------
+@needs_native
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 64, 1001])
+@pytest.mark.parametrize("n", [1, 31, 32, 33, 576, 1000])
+def test_product_matches_float64_rounded(rows, n):
+    w, x, add = bf16(rows, n, seed=1), bf16(n, seed=2), bf16(rows, seed=3)
+    gemv = native.gemv_bf16()
+    # float32 accumulation: off by a few float32 ulps of the row's magnitude before the one rounding
+    assert_close(gemv(w, x).float(), reference(w, x).float(), rtol=2 ** -7, atol=1e-3)
+    assert_close(gemv(w, x, add).float(), reference(w, x, add).float(), rtol=2 ** -7, atol=1e-3)
+
+
+@needs_native
+def test_bits_do_not_depend_on_thread_count_or_other_rows():
+    w, x = bf16(3072, 576, seed=4), bf16(576, seed=5)
+    gemv = native.gemv_bf16()
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = gemv(w, x)
+        torch.set_num_threads(2)
+        two = gemv(w, x)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
+    assert torch.equal(gemv(w[7:1030], x), one[7:1030])  # rows in other blocks and other threads
+
+
+@needs_native
+def test_strided_inputs_give_the_contiguous_result():
+    w, x, add = bf16(100, 64, seed=6), bf16(128, seed=7), bf16(200, seed=8)
+    gemv = native.gemv_bf16()
+    assert torch.equal(gemv(w, x[::2], add[::2]), gemv(w, x[::2].contiguous(), add[::2].contiguous()))
+    wide = bf16(100, 128, seed=9)
+    assert torch.equal(gemv(wide[:, :64], x[:64]), gemv(wide[:, :64].contiguous(), x[:64]))
+
+
+@needs_native
+def test_wrong_inputs_are_refused_with_what_is_wrong():
+    gemv = native.gemv_bf16()
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        gemv(torch.randn(4, 8), torch.randn(8))
+    with pytest.raises(RuntimeError, match="the vector has 7 elements, the matrix 8 columns"):
+        gemv(bf16(4, 8), bf16(7))
+    with pytest.raises(RuntimeError, match="the addend has 3 elements, the matrix 4 rows"):
+        gemv(bf16(4, 8), bf16(8), bf16(3))
+
+
+def test_matvec_takes_torch_for_other_dtypes(monkeypatch):
+    w, x, b = torch.randn(6, 5), torch.randn(5), torch.randn(6)
+    assert torch.equal(matvec(w, x), torch.mv(w, x))
+    assert torch.equal(add_matvec(b, w, x), torch.addmv(b, w, x))
+    monkeypatch.setattr(native, "_choice", (None, "torch's kernels (test)"))
+    wb, xb, bb = w.bfloat16(), x.bfloat16(), b.bfloat16()
+    assert torch.equal(matvec(wb, xb, bb), torch.addmv(bb, wb, xb))
+    assert torch.equal(add_matvec(bb, wb, xb, bb), bb + torch.addmv(bb, wb, xb))
+
+
+@needs_native
+@pytest.mark.parametrize("name", ["llama-gqa", "qwen2-bias"])
+def test_decode_with_the_kernel_is_close_to_torch_and_repeats_exactly(tiny, monkeypatch, name):
+    model = kvstore.load_model(tiny(name).folder, dtype="bfloat16")
+    ids = tiny(name).ids(30)
+
+    def decode():
+        cache = model.new_cache()
+        model.forward(ids[:20], 0, cache)
+        return torch.cat([model.forward(ids[p:p + 1], p, cache) for p in range(20, 30)])
+
+    kernel, calls = native.gemv_bf16(), []
+    monkeypatch.setattr(native, "_choice", (lambda *a: calls.append(a) or kernel(*a), "counted"))
+    ours = decode()
+    # every product of every step, and the prefill's one-row logits of its last token
+    assert len(calls) == 10 * (4 * model.config.n_layers + 1) + 1
+    assert torch.equal(ours, decode())
+    monkeypatch.setattr(native, "_choice", (None, "torch's kernels (test)"))
+    assert_close(ours, decode(), rtol=0.05, atol=0.05)
+
+
+def test_native_can_be_turned_off(monkeypatch):
+    monkeypatch.setattr(native, "_choice", None)
+    monkeypatch.setenv(native.ENV, "0")
+    assert native.gemv_bf16() is None
+    assert native.status() == "torch's kernels (KVSTORE_NATIVE=0)"
+
+
+# -- the build -----------------------------------------------------------------------------------
+def toy_source(folder: Path, answer: int = 42, body: str | None = None) -> Path:
+    """A plain C++ library (no torch headers: compiles in a moment) standing in for the kernel."""
+    src = folder / "toy.cpp"
+    src.write_text(body or f'extern "C" int kvstore_toy() {{ return {answer}; }}\n')
+    return src
+
+
+def answer(lib: Path) -> int:
+    return ctypes.CDLL(str(lib)).kvstore_toy()
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch) -> Path:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    return tmp_path / "cache" / "kvstore" / "native"
+
+
+@needs_compiler
+def test_a_library_is_built_once_per_source(tmp_path, cache):
+    src = toy_source(tmp_path)
+    lib = build.library(src)
+    assert lib.parent == cache and answer(lib) == 42
+    built_at = lib.stat().st_mtime_ns
+    assert build.library(src) == lib and lib.stat().st_mtime_ns == built_at
+    changed = build.library(toy_source(tmp_path, answer=7))
+    assert changed != lib and answer(changed) == 7
+    assert sorted(p.name for p in cache.iterdir() if p.name.startswith(".")) == []  # no temp files left
+
+
+@needs_compiler
+def test_a_compiler_error_is_reported_and_leaves_nothing(tmp_path, cache):
+    src = toy_source(tmp_path, body="this is not C++\n")
+    with pytest.raises(build.BuildError, match=r"(?s)the compiler failed on toy-.*this is not C"):
+        build.library(src)
+    assert [p.name for p in cache.iterdir()] == ["toy.lock"]
+
+
+def test_a_missing_compiler_is_named(tmp_path, cache, monkeypatch):
+    monkeypatch.setenv("CXX", "no-such-compiler-here")
+    with pytest.raises(build.BuildError, match=r"no C\+\+ compiler \(no-such-compiler-here\) on PATH; install"):
+        build.library(toy_source(tmp_path))
+
+
+@needs_compiler
+def test_a_killed_build_leaves_no_library_and_the_next_one_builds(tmp_path, cache, monkeypatch):
+    """The compiler writes half a library, then its build is killed: nothing under the final name;
+    the next build removes the temp file and succeeds (the lock died with the killed process)."""
+    compiler = tmp_path / "slow-c++"
+    compiler.write_text(textwrap.dedent(f"""\
+        #!/bin/sh
+        if [ -n "$TOY_HANG" ]; then for last; do :; done; echo half > "$last"; touch "$TOY_HANG"; sleep 60; fi
+        exec {shutil.which(os.environ.get("CXX") or "c++")} "$@"
+        """))
+    compiler.chmod(0o755)
+    monkeypatch.setenv("CXX", str(compiler))
+    src = toy_source(tmp_path)
+    started = tmp_path / "started"
+    code = f"from pathlib import Path; from kvstore.native import build; build.library(Path({str(src)!r}))"
+    proc = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "TOY_HANG": str(started)},
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not started.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "the build never reached the compiler"
+            time.sleep(0.05)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert [p.name for p in cache.iterdir() if p.suffix == ".so"] == []
+    assert any(p.name.endswith(".tmp") for p in cache.iterdir())
+    lib = build.library(src)
+    assert answer(lib) == 42
+    assert not any(p.name.endswith(".tmp") for p in cache.iterdir())
+
+
+@needs_compiler
+def test_a_damaged_library_is_built_again_on_load(tmp_path, cache):
+    src = toy_source(tmp_path)
+    lib = build.library(src)
+    lib.write_bytes(b"\0" * 100)  # a crash after the rename, before the bytes reached the disk
+    assert build.load(src) == lib
+    assert answer(lib) == 42
+
+
+@needs_compiler
+def test_a_waiting_build_takes_the_library_another_process_built(tmp_path, cache):
+    src = toy_source(tmp_path)
+    lib = build.library(src)
+    lib.unlink()
+    # another process holds the build lock and builds meanwhile: this one waits, then finds the file
+    code = ("import fcntl, os, sys, time; from pathlib import Path; from kvstore.native import build; "
+            "fd = os.open(sys.argv[1], os.O_RDWR); fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); "
+            "time.sleep(0.5); build._compile(build.compile_command(Path(sys.argv[2])), Path(sys.argv[3]), "
+            "Path(sys.argv[4]))")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(cache / "toy.lock"), str(src), str(cache), str(lib)],
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "held\n"
+    assert build.library(src) == lib and answer(lib) == 42
+    assert proc.wait() == 0

@@ -118,6 +118,17 @@ def test_verbose_timings_go_to_stderr_only(model_dir):
     assert "restore:" in r.stderr and "no prefill" in r.stderr
 
 
+def test_a_first_build_of_the_decode_kernel_is_announced(model_dir, monkeypatch):
+    from kvstore import native
+
+    monkeypatch.setattr(native, "will_build", lambda: True)
+    r = make("k", model_dir)
+    assert "compiling the bfloat16 decode kernel, once for this machine" in r.stderr
+    monkeypatch.setattr(native, "will_build", lambda: False)
+    assert "compiling" not in kv("continue", "k", "-p", "again", "-n", "2").stderr
+    assert "compiling" not in make("k32", model_dir, "--dtype", "float32").stderr
+
+
 def test_prefill_bar_with_tokens_per_second_on_a_terminal(model_dir, monkeypatch):
     monkeypatch.setattr(render, "stderr_is_terminal", lambda: True)
     monkeypatch.setattr(render, "LONG_INPUT", 8)

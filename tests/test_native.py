@@ -126,6 +126,18 @@ def test_decode_with_the_kernel_is_close_to_torch_and_repeats_exactly(tiny, monk
     assert_close(ours, decode(), rtol=0.05, atol=0.05)
 
 
+@needs_compiler
+def test_will_build_says_whether_a_load_compiles(cache, monkeypatch):
+    monkeypatch.setattr(native, "_choice", None)
+    assert native.will_build()  # a new cache folder
+    build.library(native.SOURCE)
+    assert not native.will_build()
+    cache_lib = next(cache.glob("gemv_bf16-*.so"))
+    cache_lib.unlink()
+    monkeypatch.setenv(native.ENV, "0")
+    assert not native.will_build()
+
+
 def test_native_can_be_turned_off(monkeypatch):
     monkeypatch.setattr(native, "_choice", None)
     monkeypatch.setenv(native.ENV, "0")

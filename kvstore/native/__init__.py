@@ -15,12 +15,13 @@ run there would, not bit-for-bit as the first machine would have.
 from __future__ import annotations
 
 import os
+import shutil
 import warnings
 from pathlib import Path
 
 import torch
 
-from .build import BuildError, load
+from .build import BuildError, is_built, load
 
 ENV = "KVSTORE_NATIVE"
 SOURCE = Path(__file__).with_name("gemv_bf16.cpp")
@@ -39,6 +40,12 @@ def gemv_bf16():
     if _choice is None:
         _choice = _load()
     return _choice[0]
+
+
+def will_build() -> bool:
+    """Whether settling the choice now compiles the kernel first (about 8 s here, once per machine)."""
+    return _choice is None and os.environ.get(ENV) != "0" and shutil.which(os.environ.get("CXX") or "c++") is not None \
+        and not is_built(SOURCE)
 
 
 def status() -> str:

@@ -43,9 +43,8 @@ def cache_dir() -> Path:
 def library(source: Path) -> Path:
     """The built library for `source` (compiled now if missing)."""
     command = compile_command(source)
-    key = hashlib.sha256(source.read_bytes() + "\0".join([torch.__version__, *command]).encode()).hexdigest()[:16]
-    folder = cache_dir()
-    lib = folder / f"{source.stem}-{key}.so"
+    lib = _library_path(source, command)
+    folder = lib.parent
     if lib.exists():
         return lib
     try:
@@ -57,6 +56,19 @@ def library(source: Path) -> Path:
         raise BuildError(f"cannot build {source.name} in {folder} ({e.strerror or e}); free some space there "
                          "or set XDG_CACHE_HOME to a writable folder") from e
     return lib
+
+
+def is_built(source: Path) -> bool:
+    """Whether `library(source)` would find its library without compiling (False without a compiler)."""
+    try:
+        return _library_path(source, compile_command(source)).exists()
+    except BuildError:
+        return False
+
+
+def _library_path(source: Path, command: list[str]) -> Path:
+    key = hashlib.sha256(source.read_bytes() + "\0".join([torch.__version__, *command]).encode()).hexdigest()[:16]
+    return cache_dir() / f"{source.stem}-{key}.so"
 
 
 def load(source: Path) -> Path:

@@ -184,7 +184,7 @@ def load(o: Options, spec: str, dtype: str | None, home):
         torch.set_num_threads(o.threads)
     timer = Timer()
     if dtype in (None, "bfloat16") and o.device == "cpu" and native.will_build():
-        note("compiling the bfloat16 decode kernel, once for this machine (about 10 s)")
+        note("compiling kvstore's bfloat16 kernels, once for this machine (about 10 s)")
     model = kvstore.load_model(spec, dtype=dtype, device=o.device, home=home)
     o.stat(f"model: {model.source} ({model.dtype_name}, {o.device}) loaded in {timer.elapsed:.1f} s")
     return model

@@ -6,11 +6,11 @@ untied embeddings. Speaks the KVCache protocol: `forward(ids, pos, cache)` write
 pos..pos+T-1 and attends to 0..pos+T-1.
 
 Speed at this size is a matter of kernel calls, not FLOPs: Q/K/V and gate/up are fused into one
-matmul each, the residual add rides in the matmul (addmm/addmv), RMSNorm is one fused LayerNorm
-call, rotary works in place, K|V land in the cache with one copy. A chunk takes matrix kernels; one
-token with a cache (the decode loop) takes `_step`: vectors and matrix-vector kernels (`matvec`:
-bfloat16 ones native where the CPU allows, see kvstore.native). Which path and
-kernels run depends on T alone, so a forward over [pos, pos+T) gives the same bits whatever ran
+matmul each, the residual add rides in the matmul (addmm/addmv), RMSNorm, SwiGLU and rotary are one
+pass each (kvstore.ops: kvstore's native bfloat16 kernels where the CPU allows), rotary works in
+place, K|V land in the cache with one copy. A chunk takes matrix kernels; one token with a cache
+(the decode loop) takes `_step`: vectors and matrix-vector kernels. Which path and kernels run
+depends on T alone, so a forward over [pos, pos+T) gives the same bits whatever ran
 before, the cache's capacity or the rotary table's length (contract C1's premise).
 """
 
@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from .attention import attend_rows, causal_mask
 from .cache import KVCache
 from .config import ModelConfig
-from .matvec import add_matvec, matvec
+from .ops import add_matvec, matvec, rms_norm, rotate_, swiglu, vector_norm
 
 ROPE_BLOCK = 1024  # positions per rotary table block
 
@@ -130,8 +130,7 @@ class Llama:
             o = attend_rows(qkv[:, :q_end].view(T, nh, hd), qkv[:, q_end:].view(T, 2, nkv, hd), cache, i, pos, mask)
             x = add_linear(x, o, L.wo, L.bo)
             gate_up = linear(rms_norm(x, L.mlp_norm2, eps), L.w_gate_up, L.b_gate_up)  # [T, 2 ffn]
-            ffn = gate_up.shape[-1] // 2
-            x = add_linear(x, F.silu(gate_up[:, :ffn]).mul_(gate_up[:, ffn:]), L.w_down, L.b_down)
+            x = add_linear(x, swiglu(gate_up), L.w_down, L.b_down)
         if cache is not None:
             cache.advance(pos + T)
         if last_only:
@@ -147,36 +146,19 @@ class Llama:
         cos, sin = self.rope(pos, 1)
         cos, sin = cos[0], sin[0]  # [1, hd]
         x = self.embed[ids[0]]  # [hidden]
-        norm = VectorNorm(x, eps)
+        norm = vector_norm(x, eps)
         for i, L in enumerate(self.layers):
             qkv = matvec(L.wqkv, norm(x, L.attn_norm2), L.bqkv)  # [(nh + 2 nkv) hd]: q | k | v
-            qk = qkv[:k_end].view(nh + nkv, hd)
-            swapped = qk.roll(hd // 2, -1)
-            qk.mul_(cos).addcmul_(swapped, sin)
+            rotate_(qkv[:k_end].view(nh + nkv, hd), cos, sin)
             rows = cache.layers[i]
             rows[pos].view(-1).copy_(qkv[q_end:])  # k | v is exactly one token row of the cache
             kv = rows[:end].permute(1, 2, 0, 3)  # [2, nkv, end, hd]: K is kv[0:1], V is kv[1:2]
             o = F.scaled_dot_product_attention(qkv[:q_end].view(1, nh, 1, hd), kv[0:1], kv[1:2], enable_gqa=nh != nkv)
             x = add_matvec(x, L.wo, o.view(-1), L.bo)
             gate_up = matvec(L.w_gate_up, norm(x, L.mlp_norm2), L.b_gate_up)  # [2 ffn]
-            ffn = gate_up.shape[0] // 2
-            x = add_matvec(x, L.w_down, F.silu(gate_up[:ffn]).mul_(gate_up[ffn:]), L.b_down)
+            x = add_matvec(x, L.w_down, swiglu(gate_up), L.b_down)
         cache.advance(end)
         return matvec(self.lm_head, norm(x, self.norm2)).float()[None]
-
-
-class VectorNorm:
-    """RMSNorm of one hidden vector through LayerNorm of [x, -x] (see `rms_norm`), with one reused buffer."""
-
-    def __init__(self, like: torch.Tensor, eps: float):
-        self.hidden, self.eps = like.shape[0], eps
-        self.both = torch.empty(2 * self.hidden, dtype=like.dtype, device=like.device)
-        self.lo, self.hi = self.both[:self.hidden], self.both[self.hidden:]
-
-    def __call__(self, x: torch.Tensor, weight2: torch.Tensor) -> torch.Tensor:
-        self.lo.copy_(x)
-        torch.neg(x, out=self.hi)
-        return F.layer_norm(self.both, (2 * self.hidden,), weight2, None, self.eps)[:self.hidden]
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
@@ -192,22 +174,3 @@ def add_linear(x: torch.Tensor, y: torch.Tensor, w: torch.Tensor, b: torch.Tenso
     if x.shape[0] == 1:
         return add_matvec(x[0], w, y[0], b)[None]
     return torch.addmm(x, y, w.t()) if b is None else x + F.linear(y, w, b)
-
-
-def rms_norm(x: torch.Tensor, weight2: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm of x `[T, hidden]` times weight, computed in float32 and rounded once; `weight2` is the
-    weight twice over (`[2 hidden]`).
-
-    LayerNorm of [x, -x] is RMSNorm of x: the mean is zero and the variance is mean(x^2). PyTorch has
-    a fused CPU kernel for layer_norm but composes rms_norm from seven ops (float copy, pow, mean, ...),
-    1.7 ms against 0.7 ms for a 512-token chunk here."""
-    hidden = x.shape[-1]
-    both = torch.cat([x, x], -1)
-    both[:, hidden:].neg_()
-    return F.layer_norm(both, (2 * hidden,), weight2, None, eps)[:, :hidden]
-
-
-def rotate_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding in place on x `[T, heads, hd]` (two halves per head, HF's layout)."""
-    swapped = x.roll(x.shape[-1] // 2, -1)  # cat(x2, x1), a copy (faster than cat or flip here)
-    return x.mul_(cos).addcmul_(swapped, sin)

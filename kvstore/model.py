@@ -83,7 +83,7 @@ def load_model(spec: str | os.PathLike, dtype: str | torch.dtype | None = None, 
         raise ModelError(f"{spec}: no such file or folder, and not a known alias ({', '.join(ALIASES)})")
     weights = {k: v.to(dev) for k, v in weights.items()}
     if dt == torch.bfloat16 and dev.type == "cpu":
-        native.gemv_bf16()  # settle the decode kernel now: a first build on this machine belongs to loading
+        native.kernels()  # settle the kernels now: a first build on this machine belongs to loading
     net = Llama(cfg, weights) if cfg.arch == "llama" else GPT2(cfg, weights)
     return Model(cfg, tokenizer, fp, dt, dev, str(path), net)
 

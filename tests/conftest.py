@@ -26,10 +26,10 @@ TEST_HOME_ENV = "KVSTORE_TEST_HOME"
 
 
 def pytest_report_header(config):
-    """Which kernels decode bfloat16 here (builds the native one first, outside any test's time)."""
+    """Which kernels run bfloat16 models here (builds the native ones first, outside any test's time)."""
     from kvstore import native
 
-    return f"kvstore bfloat16 decode: {native.status()}"
+    return f"kvstore bfloat16 kernels: {native.status()}"
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,9 +1,9 @@
-"""The native bfloat16 matrix-vector kernel (kvstore/native) and its build.
+"""The native bfloat16 kernels (kvstore/native) and their build.
 
-The kernel: W @ x (+ add) close to a float64 product rounded to bfloat16, for any shape (tails of
-rows and columns included); its bits independent of the thread count and of the other rows; the
-decode step with it close to the step with torch's kernels and bit-identical run to run. Those
-tests skip, saying why, where this process decodes with torch's kernels (no AVX512-BF16, no
+The kernels: W @ x (+ add), RMSNorm, SwiGLU and rotary each close to a float64 reference rounded to
+bfloat16, for any shape (tails included); their bits independent of the thread count and of the
+other rows; a model's prefill and decode with them close to torch's kernels and bit-identical run
+to run. Those tests skip, saying why, where this process runs torch's kernels (no AVX512-BF16, no
 compiler).
 
 The build: once per source and flags, in the cache folder; a failing compiler, a missing one, a
@@ -14,6 +14,7 @@ kernel, so these run anywhere a compiler does).
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import os
 import shutil
 import signal
@@ -29,10 +30,11 @@ from torch.testing import assert_close
 
 import kvstore
 from kvstore import native
-from kvstore.matvec import add_matvec, matvec
+from kvstore import ops
 from kvstore.native import build
 
-needs_native = pytest.mark.skipif(native.gemv_bf16() is None, reason=f"this process uses {native.status()}")
+needs_native = pytest.mark.skipif(native.kernels() is None, reason=f"this process uses {native.status()}")
+TORCH_ONLY = (None, "torch's kernels (test)")
 needs_compiler = pytest.mark.skipif(shutil.which(os.environ.get("CXX") or "c++") is None,
                                     reason="no C++ compiler on PATH")
 
@@ -53,7 +55,7 @@ def reference(w, x, add=None):
 @pytest.mark.parametrize("n", [1, 31, 32, 33, 576, 1000])
 def test_product_matches_float64_rounded(rows, n):
     w, x, add = bf16(rows, n, seed=1), bf16(n, seed=2), bf16(rows, seed=3)
-    gemv = native.gemv_bf16()
+    gemv = native.kernels().gemv
     # float32 accumulation: off by a few float32 ulps of the row's magnitude before the one rounding
     assert_close(gemv(w, x).float(), reference(w, x).float(), rtol=2 ** -7, atol=1e-3)
     assert_close(gemv(w, x, add).float(), reference(w, x, add).float(), rtol=2 ** -7, atol=1e-3)
@@ -62,7 +64,7 @@ def test_product_matches_float64_rounded(rows, n):
 @needs_native
 def test_bits_do_not_depend_on_thread_count_or_other_rows():
     w, x = bf16(3072, 576, seed=4), bf16(576, seed=5)
-    gemv = native.gemv_bf16()
+    gemv = native.kernels().gemv
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -78,7 +80,7 @@ def test_bits_do_not_depend_on_thread_count_or_other_rows():
 @needs_native
 def test_strided_inputs_give_the_contiguous_result():
     w, x, add = bf16(100, 64, seed=6), bf16(128, seed=7), bf16(200, seed=8)
-    gemv = native.gemv_bf16()
+    gemv = native.kernels().gemv
     assert torch.equal(gemv(w, x[::2], add[::2]), gemv(w, x[::2].contiguous(), add[::2].contiguous()))
     wide = bf16(100, 128, seed=9)
     assert torch.equal(gemv(wide[:, :64], x[:64]), gemv(wide[:, :64].contiguous(), x[:64]))
@@ -86,7 +88,7 @@ def test_strided_inputs_give_the_contiguous_result():
 
 @needs_native
 def test_wrong_inputs_are_refused_with_what_is_wrong():
-    gemv = native.gemv_bf16()
+    gemv = native.kernels().gemv
     with pytest.raises(RuntimeError, match="bfloat16"):
         gemv(torch.randn(4, 8), torch.randn(8))
     with pytest.raises(RuntimeError, match="the vector has 7 elements, the matrix 8 columns"):
@@ -95,35 +97,120 @@ def test_wrong_inputs_are_refused_with_what_is_wrong():
         gemv(bf16(4, 8), bf16(8), bf16(3))
 
 
-def test_matvec_takes_torch_for_other_dtypes(monkeypatch):
+def rms_reference(x, w, eps):
+    x64 = x.double()
+    return (x64 / torch.sqrt(x64.pow(2).mean(-1, keepdim=True) + eps) * w.double()).to(torch.bfloat16)
+
+
+def swiglu_reference(gate_up):
+    g, u = gate_up.double().chunk(2, -1)
+    return (torch.nn.functional.silu(g) * u).to(torch.bfloat16)
+
+
+def rope_reference(x, cos, sin):
+    x64 = x.double()
+    return (x64 * cos.double() + x64.roll(x.shape[-1] // 2, -1) * sin.double()).to(torch.bfloat16)
+
+
+def rope_tables(T, hd, seed=0):
+    angles = torch.rand(T, hd // 2, generator=torch.Generator().manual_seed(seed)) * 6
+    cos = torch.cat([angles.cos(), angles.cos()], -1).bfloat16()
+    return cos, torch.cat([-angles.sin(), angles.sin()], -1).bfloat16()
+
+
+CLOSE = dict(rtol=2 ** -7, atol=1e-3)  # float32 inside, then one bfloat16 rounding
+
+
+@needs_native
+@pytest.mark.parametrize("shape", [(1,), (17,), (576,), (3, 5), (512, 576), (2, 3, 40)])
+def test_rms_norm_and_swiglu_match_float64_rounded(shape):
+    k = native.kernels()
+    x, w = bf16(*shape, seed=10), (bf16(shape[-1], seed=11).abs() + 0.5).bfloat16()
+    w2 = torch.cat([w, bf16(shape[-1], seed=12)])  # only the first half counts
+    assert_close(k.rms_norm(x, w2, 1e-5).float(), rms_reference(x, w, 1e-5).float(), **CLOSE)
+    gate_up = bf16(*shape[:-1], 2 * shape[-1], seed=13) * 4  # saturates the sigmoid both ways
+    assert_close(k.swiglu(gate_up).float(), swiglu_reference(gate_up).float(), **CLOSE)
+
+
+@needs_native
+@pytest.mark.parametrize("T,heads,hd", [(1, 12, 64), (7, 4, 16), (512, 12, 64), (3, 2, 34)])
+def test_rope_in_place_through_strides_matches_float64_rounded(T, heads, hd):
+    k = native.kernels()
+    qkv = bf16(T, (heads + 3) * hd, seed=14)  # q|k rotated in place, the rest untouched
+    cos, sin = rope_tables(T, hd)
+    expect = rope_reference(qkv[:, :heads * hd].reshape(T, heads, hd), cos[:, None], sin[:, None])
+    out = qkv.clone()
+    assert k.rope_(out[:, :heads * hd].view(T, heads, hd), cos[:, None], sin[:, None]) is not None
+    assert_close(out[:, :heads * hd].view(T, heads, hd).float(), expect.float(), **CLOSE)
+    assert torch.equal(out[:, heads * hd:], qkv[:, heads * hd:])
+    one = qkv[0, :heads * hd].view(heads, hd).clone()  # the decode step's shape
+    k.rope_(one, cos[:1], sin[:1])
+    assert torch.equal(one, out[0, :heads * hd].view(heads, hd))
+
+
+@needs_native
+def test_elementwise_bits_do_not_depend_on_thread_count_or_other_rows():
+    k = native.kernels()
+    x, w2 = bf16(512, 576, seed=15), bf16(1152, seed=16)
+    gate_up, (cos, sin) = bf16(512, 3072, seed=17), rope_tables(512, 64)
+    qk = bf16(512, 12, 64, seed=18)
+
+    def all_three():
+        return k.rms_norm(x, w2, 1e-5), k.swiglu(gate_up), k.rope_(qk.clone(), cos[:, None], sin[:, None])
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = all_three()
+        torch.set_num_threads(2)
+        two = all_three()
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(a, b) for a, b in zip(one, two))
+    assert torch.equal(k.rms_norm(x[100:101], w2, 1e-5), one[0][100:101])
+    assert torch.equal(k.swiglu(gate_up[7]), one[1][7])
+
+
+def test_ops_take_torch_for_other_dtypes_and_without_native(monkeypatch):
     w, x, b = torch.randn(6, 5), torch.randn(5), torch.randn(6)
-    assert torch.equal(matvec(w, x), torch.mv(w, x))
-    assert torch.equal(add_matvec(b, w, x), torch.addmv(b, w, x))
-    monkeypatch.setattr(native, "_choice", (None, "torch's kernels (test)"))
+    assert torch.equal(ops.matvec(w, x), torch.mv(w, x))
+    assert torch.equal(ops.add_matvec(b, w, x), torch.addmv(b, w, x))
+    monkeypatch.setattr(native, "_choice", TORCH_ONLY)
     wb, xb, bb = w.bfloat16(), x.bfloat16(), b.bfloat16()
-    assert torch.equal(matvec(wb, xb, bb), torch.addmv(bb, wb, xb))
-    assert torch.equal(add_matvec(bb, wb, xb, bb), bb + torch.addmv(bb, wb, xb))
+    assert torch.equal(ops.matvec(wb, xb, bb), torch.addmv(bb, wb, xb))
+    assert torch.equal(ops.add_matvec(bb, wb, xb, bb), bb + torch.addmv(bb, wb, xb))
+    rows, w2 = bf16(4, 6, seed=19), bf16(12, seed=20)
+    assert_close(ops.rms_norm(rows, w2, 1e-5).float(), rms_reference(rows, w2[:6], 1e-5).float(), **CLOSE)
+    assert torch.equal(ops.vector_norm(rows[1], 1e-5)(rows[1], w2), ops.rms_norm(rows, w2, 1e-5)[1])
+    gate_up = bf16(4, 12, seed=21)
+    assert torch.equal(ops.swiglu(gate_up), torch.nn.functional.silu(gate_up[:, :6]) * gate_up[:, 6:])
 
 
 @needs_native
 @pytest.mark.parametrize("name", ["llama-gqa", "qwen2-bias"])
-def test_decode_with_the_kernel_is_close_to_torch_and_repeats_exactly(tiny, monkeypatch, name):
+def test_a_model_on_the_kernels_is_close_to_torch_and_repeats_exactly(tiny, monkeypatch, name):
     model = kvstore.load_model(tiny(name).folder, dtype="bfloat16")
     ids = tiny(name).ids(30)
 
-    def decode():
+    def run():
+        """Prefill logits of 20 tokens in chunks of 8, then 10 decode steps."""
         cache = model.new_cache()
-        model.forward(ids[:20], 0, cache)
-        return torch.cat([model.forward(ids[p:p + 1], p, cache) for p in range(20, 30)])
+        rows = [model.forward(ids[s:min(s + 8, 20)], s, cache, last_only=False) for s in range(0, 20, 8)]
+        return torch.cat(rows + [model.forward(ids[p:p + 1], p, cache) for p in range(20, 30)])
 
-    kernel, calls = native.gemv_bf16(), []
-    monkeypatch.setattr(native, "_choice", (lambda *a: calls.append(a) or kernel(*a), "counted"))
-    ours = decode()
-    # every product of every step, and the prefill's one-row logits of its last token
-    assert len(calls) == 10 * (4 * model.config.n_layers + 1) + 1
-    assert torch.equal(ours, decode())
-    monkeypatch.setattr(native, "_choice", (None, "torch's kernels (test)"))
-    assert_close(ours, decode(), rtol=0.05, atol=0.05)
+    k, calls = native.kernels(), {}
+
+    def counted(name):
+        return lambda *a: calls.update({name: calls.get(name, 0) + 1}) or getattr(k, name)(*a)
+
+    counting = dataclasses.replace(k, **{f.name: counted(f.name) for f in dataclasses.fields(k)})
+    monkeypatch.setattr(native, "_choice", (counting, "counted"))
+    ours = run()
+    L = model.config.n_layers
+    assert calls == {"gemv": 10 * (4 * L + 1), "rms_norm": 13 * (2 * L + 1), "swiglu": 13 * L, "rope_": 13 * L}
+    assert torch.equal(ours, run())
+    monkeypatch.setattr(native, "_choice", TORCH_ONLY)
+    assert_close(ours, run(), rtol=0.05, atol=0.15)  # as test_engine_reference allows bfloat16 vs HF
 
 
 @needs_compiler
@@ -132,7 +219,7 @@ def test_will_build_says_whether_a_load_compiles(cache, monkeypatch):
     assert native.will_build()  # a new cache folder
     build.library(native.SOURCE)
     assert not native.will_build()
-    cache_lib = next(cache.glob("gemv_bf16-*.so"))
+    cache_lib = next(cache.glob("kernels_bf16-*.so"))
     cache_lib.unlink()
     monkeypatch.setenv(native.ENV, "0")
     assert not native.will_build()
@@ -141,7 +228,7 @@ def test_will_build_says_whether_a_load_compiles(cache, monkeypatch):
 def test_native_can_be_turned_off(monkeypatch):
     monkeypatch.setattr(native, "_choice", None)
     monkeypatch.setenv(native.ENV, "0")
-    assert native.gemv_bf16() is None
+    assert native.kernels() is None
     assert native.status() == "torch's kernels (KVSTORE_NATIVE=0)"
 
 

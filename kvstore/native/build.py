@@ -2,8 +2,9 @@
 
 `library(source) -> Path`: the library built from this source with this torch and these flags
 (their hash names the file), compiled first when it is missing. `load(source)` loads it into the
-process (`torch.ops.load_library`), building it again once if the file is damaged. Several processes may ask at once:
-an `flock` lets one compile while the others wait, and the kernel frees it if that one dies. The
+process (`torch.ops.load_library`), building it again once if the file is damaged. Several
+processes may ask at once: an `flock` lets one compile while the others wait, and the kernel frees
+it if that one dies. The
 compiler writes a temp file that is fsynced and renamed into place, so a killed or failed build never
 leaves a half-written library under the final name; the next build removes such temp files.
 
@@ -67,7 +68,11 @@ def is_built(source: Path) -> bool:
 
 
 def _library_path(source: Path, command: list[str]) -> Path:
-    key = hashlib.sha256(source.read_bytes() + "\0".join([torch.__version__, *command]).encode()).hexdigest()[:16]
+    try:
+        text = source.read_bytes()
+    except OSError as e:
+        raise BuildError(f"cannot read {source} ({e.strerror or e}); reinstall kvstore") from e
+    key = hashlib.sha256(text + "\0".join([torch.__version__, *command]).encode()).hexdigest()[:16]
     return cache_dir() / f"{source.stem}-{key}.so"
 
 

@@ -15,7 +15,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from sqlalchemy import delete, select, update
+from sqlalchemy import delete, insert, select, update
 
 from .cache import with_room
 from .chat import turn_ids
@@ -112,10 +112,10 @@ class Session:
         if a == b and old_tokens == n_tokens and not self._dirty_messages and not self._call_dirty:
             return False
         with self.store.db() as db, store_full_on_disk_full(f"checkpoint of {self.name!r}"), db.begin():
-            moved = db.execute(update(SessionRow).where(SessionRow.id == self.id, SessionRow.head == self._head)
-                               .values(head=self._head + 1, n_tokens=n_tokens, n_cached=b,
-                                       active_call=self.active_call, sampler=self.settings.to_dict(),
-                                       updated_at=utcnow()))
+            head_moves = (update(SessionRow.__table__).where(SessionRow.id == self.id, SessionRow.head == self._head)
+                          .values(head=self._head + 1, n_tokens=n_tokens, n_cached=b, active_call=self.active_call,
+                                  sampler=self.settings.to_dict(), updated_at=utcnow()))
+            moved = db.connection().execute(head_moves)  # Core, like _record: the checkpoint's hot path
             if moved.rowcount != 1:
                 raise SessionBusy(f"session {self.name!r} was changed or deleted by someone else since it was "
                                   "opened; nothing was committed. Open it again")
@@ -136,19 +136,24 @@ class Session:
         return True
 
     def _record(self, db, reason: str, a: int, b: int, old_tokens: int, written) -> None:
-        """The rows of a checkpoint besides the head: the checkpoint, the extent, new tokens, messages."""
+        """The rows of a checkpoint besides the head: the checkpoint, the extent, new tokens, messages.
+
+        Core statements on the tables, not ORM objects: this runs at every checkpoint of a decode,
+        and the unit of work's flushes cost more than the SQL here."""
         n_tokens = len(self.seq.tokens)
-        db.add(CheckpointRow(session_id=self.id, seq=self._head + 1, n_tokens=n_tokens, n_cached=b,
-                             reason=reason, created_at=utcnow()))
+        run = db.connection().execute
+        run(insert(CheckpointRow.__table__).values(session_id=self.id, seq=self._head + 1, n_tokens=n_tokens,
+                                                   n_cached=b, reason=reason, created_at=utcnow()))
         if written is not None:
-            db.execute(update(SegmentRow).where(SegmentRow.id == self.id).values(committed_end=written.end))
-            extent = ExtentRow(segment_id=self.id, offset=written.offset, n_tokens=written.n_tokens,
-                               checksums=written.checksums)
-            db.add(extent)
-            db.flush()
-            db.add(SessionExtentRow(session_id=self.id, start=a, extent_id=extent.id, n_tokens=b - a))
+            run(update(SegmentRow.__table__).where(SegmentRow.id == self.id).values(committed_end=written.end))
+            extent_id = run(insert(ExtentRow.__table__).values(
+                segment_id=self.id, offset=written.offset, n_tokens=written.n_tokens,
+                checksums=written.checksums).returning(ExtentRow.id)).scalar_one()
+            run(insert(SessionExtentRow.__table__).values(session_id=self.id, start=a, extent_id=extent_id,
+                                                          n_tokens=b - a))
         if n_tokens > old_tokens:
-            db.add(TokenBlockRow(session_id=self.id, start=old_tokens, ids=encode_tokens(self.seq.tokens[old_tokens:])))
+            run(insert(TokenBlockRow.__table__).values(session_id=self.id, start=old_tokens,
+                                                       ids=encode_tokens(self.seq.tokens[old_tokens:])))
         self._write_messages(db)
 
     def _write_messages(self, db) -> None:

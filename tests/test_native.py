@@ -270,6 +270,16 @@ def test_a_compiler_error_is_reported_and_leaves_nothing(tmp_path, cache):
     assert [p.name for p in cache.iterdir()] == ["toy.lock"]
 
 
+@needs_compiler
+def test_a_built_library_needs_no_compiler(tmp_path, cache, monkeypatch):
+    src = toy_source(tmp_path)
+    lib = build.library(src)
+    monkeypatch.setattr(build.shutil, "which", lambda name: None)  # the compiler was removed since
+    assert build.library(src) == lib and build.is_built(src)
+    with pytest.raises(build.BuildError, match="no C\\+\\+ compiler"):
+        build.library(toy_source(tmp_path, answer=5))
+
+
 def test_a_missing_compiler_is_named(tmp_path, cache, monkeypatch):
     monkeypatch.setenv("CXX", "no-such-compiler-here")
     with pytest.raises(build.BuildError, match=r"no C\+\+ compiler \(no-such-compiler-here\) on PATH; install"):

@@ -28,6 +28,7 @@ import torch
 
 from ..fileio import fsync_path
 
+FLAGS = ("-O3", "-std=c++20", "-fPIC", "-shared", "-fopenmp")
 BUILD_TIMEOUT_S = 600
 LOCK_TIMEOUT_S = 900  # longer than a build: a waiter gives up only on a builder that hangs
 
@@ -42,12 +43,12 @@ def cache_dir() -> Path:
 
 
 def library(source: Path) -> Path:
-    """The built library for `source` (compiled now if missing)."""
-    command = compile_command(source)
-    lib = _library_path(source, command)
+    """The built library for `source` (compiled now if missing; only then is a compiler needed)."""
+    lib = _library_path(source)
     folder = lib.parent
     if lib.exists():
         return lib
+    command = compile_command(source)
     try:
         folder.mkdir(parents=True, exist_ok=True)
         with _locked(folder / f"{source.stem}.lock"):
@@ -60,20 +61,28 @@ def library(source: Path) -> Path:
 
 
 def is_built(source: Path) -> bool:
-    """Whether `library(source)` would find its library without compiling (False without a compiler)."""
+    """Whether `library(source)` would find its library without compiling."""
     try:
-        return _library_path(source, compile_command(source)).exists()
+        return _library_path(source).exists()
     except BuildError:
         return False
 
 
-def _library_path(source: Path, command: list[str]) -> Path:
+def _library_path(source: Path) -> Path:
+    """Named by a hash of what goes into the build: the source, the compiler's name, the flags and the
+    torch install (its version and folder, which fix the include and library paths). Without
+    importing torch.utils.cpp_extension, which costs a tenth of a second at every process start."""
     try:
         text = source.read_bytes()
     except OSError as e:
         raise BuildError(f"cannot read {source} ({e.strerror or e}); reinstall kvstore") from e
-    key = hashlib.sha256(text + "\0".join([torch.__version__, *command]).encode()).hexdigest()[:16]
+    inputs = [os.environ.get("CXX") or "c++", *FLAGS, _abi_flag(), torch.__version__, os.path.dirname(torch.__file__)]
+    key = hashlib.sha256(text + "\0".join(inputs).encode()).hexdigest()[:16]
     return cache_dir() / f"{source.stem}-{key}.so"
+
+
+def _abi_flag() -> str:
+    return f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
 
 
 def load(source: Path) -> Path:
@@ -99,11 +108,9 @@ def compile_command(source: Path) -> list[str]:
     if shutil.which(compiler) is None:
         raise BuildError(f"no C++ compiler ({compiler}) on PATH; install one (Debian: apt install g++) "
                          "or set CXX")
-    flags = ["-O3", "-std=c++20", "-fPIC", "-shared", "-fopenmp",
-             f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
     includes = [a for path in include_paths() for a in ("-isystem", path)]
     links = [f"-L{path}" for path in library_paths()] + ["-lc10", "-ltorch_cpu"]
-    return [compiler, *flags, *includes, str(source), *links, "-o"]
+    return [compiler, *FLAGS, _abi_flag(), *includes, str(source), *links, "-o"]
 
 
 def _compile(command: list[str], folder: Path, lib: Path) -> None:

@@ -7,8 +7,8 @@ pos..pos+T-1 and attends to 0..pos+T-1.
 
 Speed at this size is a matter of kernel calls, not FLOPs: Q/K/V and gate/up are fused into one
 matmul each, the residual add rides in the matmul (addmm/addmv), RMSNorm, SwiGLU and rotary are one
-pass each (kvstore.ops: kvstore's native bfloat16 kernels where the CPU allows), rotary works in
-place, K|V land in the cache with one copy. A chunk takes matrix kernels; one token with a cache
+pass each (kvstore.ops: kvstore's native bfloat16 kernels where the CPU allows; rotary in place),
+K|V land in the cache with one copy. A chunk takes matrix kernels; one token with a cache
 (the decode loop) takes `_step`: vectors and matrix-vector kernels. Which path and kernels run
 depends on T alone, so a forward over [pos, pos+T) gives the same bits whatever ran
 before, the cache's capacity or the rotary table's length (contract C1's premise).

@@ -35,7 +35,7 @@ from kvstore.native import build
 
 needs_native = pytest.mark.skipif(native.kernels() is None, reason=f"this process uses {native.status()}")
 TORCH_ONLY = (None, "torch's kernels (test)")
-needs_compiler = pytest.mark.skipif(shutil.which(os.environ.get("CXX") or "c++") is None,
+needs_compiler = pytest.mark.skipif(not build.has_compiler(),
                                     reason="no C++ compiler on PATH")
 
 
@@ -294,7 +294,7 @@ def test_a_killed_build_leaves_no_library_and_the_next_one_builds(tmp_path, cach
     compiler.write_text(textwrap.dedent(f"""\
         #!/bin/sh
         if [ -n "$TOY_HANG" ]; then for last; do :; done; echo half > "$last"; touch "$TOY_HANG"; sleep 60; fi
-        exec {shutil.which(os.environ.get("CXX") or "c++")} "$@"
+        exec {shutil.which(build.compiler())} "$@"
         """))
     compiler.chmod(0o755)
     monkeypatch.setenv("CXX", str(compiler))

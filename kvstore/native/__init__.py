@@ -16,7 +16,6 @@ run there would, not bit-for-bit as the first machine would have.
 from __future__ import annotations
 
 import os
-import shutil
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +23,7 @@ from typing import Callable
 
 import torch
 
-from .build import BuildError, is_built, load
+from .build import BuildError, has_compiler, is_built, load
 
 ENV = "KVSTORE_NATIVE"
 SOURCE = Path(__file__).with_name("kernels_bf16.cpp")
@@ -55,8 +54,7 @@ def kernels() -> Kernels | None:
 
 def will_build() -> bool:
     """Whether settling the choice now compiles the kernels first (about 10 s here, once per machine)."""
-    return _choice is None and os.environ.get(ENV) != "0" and shutil.which(os.environ.get("CXX") or "c++") is not None \
-        and not is_built(SOURCE)
+    return _choice is None and os.environ.get(ENV) != "0" and has_compiler() and not is_built(SOURCE)
 
 
 def status() -> str:

@@ -4,12 +4,13 @@
 (their hash names the file), compiled first when it is missing. `load(source)` loads it into the
 process (`torch.ops.load_library`), building it again once if the file is damaged. Several
 processes may ask at once: an `flock` lets one compile while the others wait, and the kernel frees
-it if that one dies. The
-compiler writes a temp file that is fsynced and renamed into place, so a killed or failed build never
-leaves a half-written library under the final name; the next build removes such temp files.
+it if that one dies. The compiler writes a temp file that is fsynced and renamed into place, so a
+killed or failed build never leaves a half-written library under the final name; the next build
+removes such temp files.
 
-torch.utils.cpp_extension supplies the include and library paths and the C++ ABI; the compiler is run
-here because its `load` needs ninja and waits forever on the lock file of a build that was killed.
+torch.utils.cpp_extension supplies the include and library paths (imported only to compile); the
+compiler is run here because its `load` needs ninja and waits forever on the lock file of a build
+that was killed.
 Files live in $XDG_CACHE_HOME/kvstore/native (~/.cache by default), not in a store's home: the build
 belongs to the machine and the torch install, and a store home may be anywhere.
 """
@@ -35,6 +36,14 @@ LOCK_TIMEOUT_S = 900  # longer than a build: a waiter gives up only on a builder
 
 class BuildError(Exception):
     """The native library could not be built or loaded; the message says why and what to do."""
+
+
+def compiler() -> str:
+    return os.environ.get("CXX") or "c++"
+
+
+def has_compiler() -> bool:
+    return shutil.which(compiler()) is not None
 
 
 def cache_dir() -> Path:
@@ -76,7 +85,7 @@ def _library_path(source: Path) -> Path:
         text = source.read_bytes()
     except OSError as e:
         raise BuildError(f"cannot read {source} ({e.strerror or e}); reinstall kvstore") from e
-    inputs = [os.environ.get("CXX") or "c++", *FLAGS, _abi_flag(), torch.__version__, os.path.dirname(torch.__file__)]
+    inputs = [compiler(), *FLAGS, _abi_flag(), torch.__version__, os.path.dirname(torch.__file__)]
     key = hashlib.sha256(text + "\0".join(inputs).encode()).hexdigest()[:16]
     return cache_dir() / f"{source.stem}-{key}.so"
 
@@ -104,13 +113,12 @@ def compile_command(source: Path) -> list[str]:
     """The compiler's arguments, output file left off (the temp file's name goes last)."""
     from torch.utils.cpp_extension import include_paths, library_paths
 
-    compiler = os.environ.get("CXX") or "c++"
-    if shutil.which(compiler) is None:
-        raise BuildError(f"no C++ compiler ({compiler}) on PATH; install one (Debian: apt install g++) "
+    if not has_compiler():
+        raise BuildError(f"no C++ compiler ({compiler()}) on PATH; install one (Debian: apt install g++) "
                          "or set CXX")
     includes = [a for path in include_paths() for a in ("-isystem", path)]
     links = [f"-L{path}" for path in library_paths()] + ["-lc10", "-ltorch_cpu"]
-    return [compiler, *FLAGS, _abi_flag(), *includes, str(source), *links, "-o"]
+    return [compiler(), *FLAGS, _abi_flag(), *includes, str(source), *links, "-o"]
 
 
 def _compile(command: list[str], folder: Path, lib: Path) -> None:
@@ -131,7 +139,8 @@ def _compile(command: list[str], folder: Path, lib: Path) -> None:
 
 
 class _locked:
-    """An exclusive flock on `path`, waited for up to LOCK_TIMEOUT_S."""
+    """An exclusive flock on `path`, waited for up to LOCK_TIMEOUT_S. Plain os calls, not the store's
+    I/O seam (fileio.io): the build cache is not a store, and its faults are not the store's."""
 
     def __init__(self, path: Path):
         self.path = path

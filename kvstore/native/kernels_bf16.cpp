@@ -10,7 +10,7 @@
 // - rope_bf16_(x [T, heads, hd] or [heads, hd], cos [T, hd], sin [T, hd]) -> x, in place:
 //   x * cos + swap_halves(x) * sin (the sign of rotate_half folded into sin by the caller).
 //
-// Contract (kvstore/native/__init__.py and kvstore/kernels.py rely on it):
+// Contract (kvstore/native/__init__.py and kvstore/ops.py rely on it):
 // - Every output element is computed by one thread in a fixed order (a row's dot product or sum of
 //   squares: 16 float32 lanes accumulated in steps along the row, zero-padded tail last, then the
 //   lanes summed in a fixed tree), so the bits depend on the inputs alone, never on the thread
@@ -30,6 +30,7 @@
 #include <cmath>
 #include <cstdint>
 #include <optional>
+#include <string>
 #include <vector>
 
 namespace {
@@ -69,29 +70,37 @@ bool avx512_bf16() {
   return present;
 }
 
-void check(const at::Tensor& t, int64_t dims, const char* what) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kBFloat16 && t.dim() == dims,
-              "gemv_bf16: ", what, " must be a bfloat16 CPU tensor with ", dims, " dimension(s)");
+void require_avx512_bf16(const char* op) {
+  TORCH_CHECK(avx512_bf16(), op, ": this CPU has no AVX512-BF16 instructions");
 }
 
+// t is a bfloat16 CPU tensor with `dims` dimensions (0: any number but none)
+void check(const at::Tensor& t, const char* op, const char* what, int64_t dims = 0) {
+  const bool shaped = dims > 0 ? t.dim() == dims : t.dim() >= 1;
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kBFloat16 && shaped, op, ": ", what,
+              " must be a bfloat16 CPU tensor", dims > 0 ? " with " + std::to_string(dims) + " dimension(s)" : "");
+}
+
+const uint16_t* bits(const at::Tensor& t) { return static_cast<const uint16_t*>(t.data_ptr()); }
+uint16_t* bits_out(at::Tensor& t) { return static_cast<uint16_t*>(t.data_ptr()); }
+
 at::Tensor gemv_bf16(const at::Tensor& w_any, const at::Tensor& x_any, const std::optional<at::Tensor>& add_any) {
-  TORCH_CHECK(avx512_bf16(), "gemv_bf16: this CPU has no AVX512-BF16 instructions");
-  check(w_any, 2, "the matrix");
-  check(x_any, 1, "the vector");
+  require_avx512_bf16("gemv_bf16");
+  check(w_any, "gemv_bf16", "the matrix", 2);
+  check(x_any, "gemv_bf16", "the vector", 1);
   const at::Tensor w = w_any.contiguous(), x = x_any.contiguous();
   const int64_t rows = w.size(0), n = w.size(1);
   TORCH_CHECK(x.size(0) == n, "gemv_bf16: the vector has ", x.size(0), " elements, the matrix ", n, " columns");
   at::Tensor add;
   if (add_any.has_value()) {
-    check(*add_any, 1, "the addend");
+    check(*add_any, "gemv_bf16", "the addend", 1);
     TORCH_CHECK(add_any->size(0) == rows, "gemv_bf16: the addend has ", add_any->size(0), " elements, the matrix ",
                 rows, " rows");
     add = add_any->contiguous();
   }
-  const auto* base = add.defined() ? static_cast<const uint16_t*>(add.data_ptr()) : nullptr;
+  const uint16_t* base = add.defined() ? bits(add) : nullptr;
   at::Tensor y = at::empty({rows}, w.options());
-  const auto* W = static_cast<const uint16_t*>(w.data_ptr());
-  const auto* X = static_cast<const uint16_t*>(x.data_ptr());
+  const uint16_t *W = bits(w), *X = bits(x);
   auto* Y = static_cast<c10::BFloat16*>(y.data_ptr());
   const int64_t blocks = (rows + kRows - 1) / kRows;
   at::parallel_for(0, blocks, kGrain, [&](int64_t begin, int64_t end) {
@@ -173,18 +182,10 @@ KV_AVX512_BF16 void rope_head(uint16_t* x, const uint16_t* cos, const uint16_t* 
   }
 }
 
-const uint16_t* bits(const at::Tensor& t) { return static_cast<const uint16_t*>(t.data_ptr()); }
-uint16_t* bits_out(at::Tensor& t) { return static_cast<uint16_t*>(t.data_ptr()); }
-
-void check_any(const at::Tensor& t, const char* op, const char* what) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kBFloat16 && t.dim() >= 1, op, ": ", what,
-              " must be a bfloat16 CPU tensor");
-}
-
 at::Tensor rms_norm_bf16(const at::Tensor& x_any, const at::Tensor& w_any, double eps) {
-  TORCH_CHECK(avx512_bf16(), "rms_norm_bf16: this CPU has no AVX512-BF16 instructions");
-  check_any(x_any, "rms_norm_bf16", "x");
-  check_any(w_any, "rms_norm_bf16", "the weight");
+  require_avx512_bf16("rms_norm_bf16");
+  check(x_any, "rms_norm_bf16", "x");
+  check(w_any, "rms_norm_bf16", "the weight");
   const at::Tensor x = x_any.contiguous(), w = w_any.contiguous();
   const int64_t H = x.size(-1), rows = x.numel() / std::max<int64_t>(H, 1);
   TORCH_CHECK(w.numel() >= H, "rms_norm_bf16: the weight has ", w.numel(), " elements, fewer than ", H);
@@ -198,8 +199,8 @@ at::Tensor rms_norm_bf16(const at::Tensor& x_any, const at::Tensor& w_any, doubl
 }
 
 at::Tensor swiglu_bf16(const at::Tensor& gu_any) {
-  TORCH_CHECK(avx512_bf16(), "swiglu_bf16: this CPU has no AVX512-BF16 instructions");
-  check_any(gu_any, "swiglu_bf16", "gate_up");
+  require_avx512_bf16("swiglu_bf16");
+  check(gu_any, "swiglu_bf16", "gate_up");
   const at::Tensor gu = gu_any.contiguous();
   TORCH_CHECK(gu.size(-1) % 2 == 0, "swiglu_bf16: the last dimension (gate | up) must be even");
   const int64_t F = gu.size(-1) / 2, rows = gu.numel() / std::max<int64_t>(2 * F, 1);
@@ -215,10 +216,10 @@ at::Tensor swiglu_bf16(const at::Tensor& gu_any) {
 }
 
 at::Tensor& rope_bf16_(at::Tensor& x, const at::Tensor& cos_any, const at::Tensor& sin_any) {
-  TORCH_CHECK(avx512_bf16(), "rope_bf16_: this CPU has no AVX512-BF16 instructions");
-  check_any(x, "rope_bf16_", "x");
-  check_any(cos_any, "rope_bf16_", "cos");
-  check_any(sin_any, "rope_bf16_", "sin");
+  require_avx512_bf16("rope_bf16_");
+  check(x, "rope_bf16_", "x");
+  check(cos_any, "rope_bf16_", "cos");
+  check(sin_any, "rope_bf16_", "sin");
   TORCH_CHECK((x.dim() == 2 || x.dim() == 3) && x.stride(-1) == 1 && x.size(-1) % 2 == 0,
               "rope_bf16_: x must be [T, heads, hd] or [heads, hd] with contiguous rows of even length");
   const int64_t T = x.dim() == 3 ? x.size(0) : 1, heads = x.size(-2), hd = x.size(-1);

@@ -3,8 +3,9 @@
 Layout: magic `\\x89KVS\\r\\n\\x1a\\n`, u32 version, u32 flags, u64 manifest length, u64 xxh3-64 of
 the manifest, the manifest (UTF-8 JSON), then the data region: one compressed payload (`codec`) per
 extent and layer, at the offsets the manifest lists, each with its raw size and raw xxh3-64.
-Version 3 payloads are byte planes in token order; versions 2 (planes channel-major) and 1 (one
-shuffled frame each) are still read.
+Version 4 adds the session's `last_hidden` (contract C2: the last token's final hidden state, hex,
+when every token's KV is cached); its payloads are version 3's: byte planes in token order.
+Versions 3, 2 (planes channel-major) and 1 (one shuffled frame each) are still read.
 Import checks the magic, version, sizes, every frame's declared size (before inflating it) and
 checksum, the model fingerprint and the KV layout before anything is committed; a failure leaves
 the store as it was. Nothing in an archive is a path, and nothing is unpickled.
@@ -38,8 +39,8 @@ from .sampling import SamplerSettings
 from .store import check_name, encode_tokens, read_tokens
 
 MAGIC = b"\x89KVS\r\n\x1a\n"
-VERSION = 3
-READABLE = (1, 2, 3)  # they differ only in the payload encoding, which `codec` tells apart
+VERSION = 4
+READABLE = (1, 2, 3, 4)  # they differ in the payload encoding, which `codec` tells apart, and in 4's last_hidden
 HEADER = struct.Struct("<8sIIQQ")  # magic, version, flags, manifest length, manifest xxh3-64
 TEMP_NAME = re.compile(r"\..+\.\d+\.tmp")  # .NAME.PID.tmp: an export in progress, or a killed one
 MAX_MANIFEST = 256 << 20
@@ -47,7 +48,7 @@ MAX_FRAME_RAW = 1 << 30  # one layer of one extent: far above any real one, low 
 FIELDS = {  # every field a manifest of any readable version may hold, by section
     "": {"format", "version", "session", "model", "token_bytes", "tokens", "messages", "extents", "data_size"},
     "session": {"name", "seed", "sampler", "chunk_size", "checkpoint_every", "dtype", "kv_layout", "active_call",
-                "n_tokens", "n_cached"},
+                "n_tokens", "n_cached", "last_hidden"},
     "kv_layout": {"order", "n_layers", "per_token", "dtype"},
     "model": {"fingerprint", "arch", "config", "source"},
     "extent": {"start", "n_tokens", "frames"},
@@ -72,7 +73,8 @@ def export_session(store, name: str, path: Path, progress: Progress | None = Non
         "format": "kvstore-archive", "version": VERSION,
         "session": {"name": row.name, "seed": row.seed, "sampler": row.sampler, "chunk_size": row.chunk_size,
                     "checkpoint_every": row.checkpoint_every, "dtype": row.dtype, "kv_layout": row.kv_layout,
-                    "active_call": row.active_call, "n_tokens": row.n_tokens, "n_cached": row.n_cached},
+                    "active_call": row.active_call, "n_tokens": row.n_tokens, "n_cached": row.n_cached,
+                    "last_hidden": row.last_hidden.hex() if row.last_hidden is not None else None},
         "model": {"fingerprint": model.fingerprint, "arch": model.arch, "config": model.config,
                   "source": model.source},
         "token_bytes": refs[0].token_bytes if refs else _token_bytes(row.kv_layout, row.dtype),
@@ -283,7 +285,8 @@ def _commit(store, plan: dict[str, Any], name: str, session_id: str, written: li
         db.add(SessionRow(id=session_id, name=name, model_fingerprint=m["fingerprint"], dtype=s["dtype"],
                           kv_layout=s["kv_layout"], seed=s["seed"], sampler=s["sampler"], chunk_size=s["chunk_size"],
                           checkpoint_every=s["checkpoint_every"], head=0, n_tokens=s["n_tokens"],
-                          n_cached=s["n_cached"], active_call=s["active_call"], created_at=now, updated_at=now))
+                          n_cached=s["n_cached"], active_call=s["active_call"], created_at=now, updated_at=now,
+                          last_hidden=bytes.fromhex(s["last_hidden"]) if s.get("last_hidden") else None))
         db.flush()
         end = written[-1][1].end if written else 0
         db.add(SegmentRow(id=session_id, n_layers=s["kv_layout"]["n_layers"], token_bytes=plan["token_bytes"],
@@ -346,7 +349,9 @@ def _validate(man: Any, data_size: int, file: str) -> dict[str, Any]:
     need(is_int(vocab, 1, 1 << 31) and isinstance(tokens, list) and all(is_int(t, 0, vocab - 1) for t in tokens),
          "token ids missing or out of the model's vocabulary")
     need(is_int(n_tokens) and n_tokens == len(tokens), "token count does not match")
-    need(is_int(n_cached) and (n_cached <= n_tokens - 1 or n_tokens == n_cached == 0), "cached count out of range")
+    need(is_int(n_cached) and (n_cached <= n_tokens - 1 or n_tokens == n_cached == 0 or n_cached == n_tokens),
+         "cached count out of range")
+    _validate_hidden(s.get("last_hidden"), n_tokens, n_cached, cfg, s["dtype"], need, is_int)
     need(is_int(s.get("seed"), -(1 << 63), (1 << 63) - 1) and is_int(s.get("chunk_size"), 1, 1 << 20)
          and is_int(s.get("checkpoint_every"), 1, 1 << 20) and isinstance(s.get("sampler"), dict),
          "bad session settings")
@@ -359,6 +364,16 @@ def _validate(man: Any, data_size: int, file: str) -> dict[str, Any]:
     _validate_call(s.get("active_call"), n_tokens, man["messages"], need, is_int)
     _validate_extents(man, layout, n_cached, data_size, need, is_int)
     return man
+
+
+def _validate_hidden(hidden, n_tokens: int, n_cached: int, cfg: dict[str, Any], dtype: str, need, is_int) -> None:
+    """C2: the last token's state (hex of one hidden vector) exactly when every token's KV is cached."""
+    if not (n_tokens and n_cached == n_tokens):
+        need(hidden is None, "a last-token state with the last token pending")
+        return
+    size = cfg.get("hidden_size", 0) * ITEMSIZE[dtype] if is_int(cfg.get("hidden_size"), 1, 1 << 20) else -1
+    need(isinstance(hidden, str) and len(hidden) == 2 * size and re.fullmatch(r"[0-9a-f]*", hidden) is not None,
+         "the last token's state is missing or not one hidden vector of the model")
 
 
 def _unknown_fields(man: dict[str, Any]) -> list[str]:

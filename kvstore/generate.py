@@ -1,10 +1,14 @@
 """Prefill and decode over token ids; generation is a generator of sampled tokens.
 
 A `Sequence` holds a model, its KVCache and the token ids t0..tn. The cache holds K/V for
-t0..t(k-1) where k = `cache.length`; the rest, `pending`, still has to be fed (contract C2: after a
-prefill or a sampled token exactly one is pending: the last one). Tokens are fed in chunks whose
-boundaries are multiples of `chunk_size` in absolute positions, so a prefill interrupted anywhere
-and resumed goes through exactly the same kernel calls as one that never stopped.
+t0..t(k-1) where k = `cache.length`; the rest, `pending`, still has to be fed. When every token is
+fed (k = n+1), `hidden` holds tn's final hidden state (`Model.feed`'s), from which `next_logits`
+computes the logits that predict t(n+1) without another pass through the layers. Contract C2 (as
+kvstore amends it): a checkpoint holds either that state and the K/V of every token, or the K/V of
+all but the last token, which is then pending (after a generation call ends: its last token was
+never fed). Tokens are fed in chunks whose boundaries are multiples of `chunk_size` in absolute
+positions, so a prefill interrupted anywhere and resumed goes through exactly the same kernel
+calls as one that never stopped.
 """
 
 from __future__ import annotations
@@ -39,7 +43,8 @@ def chunk_bounds(start: int, end: int, chunk_size: int) -> list[tuple[int, int]]
 
 
 class Sequence:
-    def __init__(self, model, cache: KVCache | None = None, tokens: Seq[int] = (), *, chunk_size: int = DEFAULT_CHUNK):
+    def __init__(self, model, cache: KVCache | None = None, tokens: Seq[int] = (), *, chunk_size: int = DEFAULT_CHUNK,
+                 hidden: torch.Tensor | None = None):
         if chunk_size < 1:
             raise ModelError("chunk size must be at least 1 token")
         self.model = model
@@ -47,19 +52,23 @@ class Sequence:
         self.tokens: list[int] = list(tokens)
         self.chunk_size = chunk_size
         self.stop_reason: str | None = None
+        # [hidden] the last token's final state when the cache holds every token (see the module's docstring)
+        self.hidden = hidden
         assert self.cache.length <= len(self.tokens)
+        assert hidden is None or self.cache.length == len(self.tokens), "a final state belongs to the last token"
 
     def close(self) -> None:
         """Done with this sequence: its cache's memory goes to the next cache (`cache.POOL`). The
         tokens stay readable; generating again starts from an empty cache (all tokens pending)."""
         self.cache.release()
+        self.hidden = None
 
     @property
     def pending(self) -> list[int]:
         return self.tokens[self.cache.length:]
 
     def extend(self, ids: Seq[int]) -> Iterator[int]:
-        """Append ids and prefill all pending tokens but the last; yields the cache length per chunk."""
+        """Append ids and prefill every pending token; yields the cache length per chunk."""
         self.add(ids)
         yield from self.prefill()
 
@@ -73,27 +82,38 @@ class Sequence:
             raise ModelError(f"{len(self.tokens) + len(ids)} tokens exceed the model's context of "
                              f"{self.model.config.max_context}; start a new session or fork at an earlier point")
         self.tokens.extend(ids)
+        if ids:
+            self.hidden = None  # it belonged to the token before these
 
     def prefill(self) -> Iterator[int]:
-        """Feed every pending token but the last, chunk by chunk; yields the cache length after each."""
-        for a, b in chunk_bounds(self.cache.length, len(self.tokens) - 1, self.chunk_size):
-            self.model.forward(self.tokens[a:b], a, self.cache, last_only=True)
+        """Feed every pending token, chunk by chunk; yields the cache length after each chunk. The
+        last chunk leaves `hidden` (the last token's final state)."""
+        for a, b in chunk_bounds(self.cache.length, len(self.tokens), self.chunk_size):
+            hidden = self.model.feed(self.tokens[a:b], a, self.cache)
+            if b == len(self.tokens):
+                self.hidden = hidden
             yield b
+
+    def feed(self) -> None:
+        """`prefill` to the end: every token in the cache, `hidden` set."""
+        for _ in self.prefill():
+            pass
 
     def next_logits(self) -> torch.Tensor:
         """Feed all pending tokens; the float32 logits `[vocab]` (CPU) that predict the next one."""
-        bounds = chunk_bounds(self.cache.length, len(self.tokens), self.chunk_size)
-        if not bounds:
+        if not self.tokens:
             raise ModelError("nothing to feed: a sequence needs at least one token before it can generate")
-        for a, b in bounds:
-            logits = self.model.forward(self.tokens[a:b], a, self.cache, last_only=True)
-        return logits[-1].to("cpu")
+        if self.hidden is None and not self.pending:  # a cache built elsewhere without the last state:
+            self.cache.trim(len(self.tokens) - 1)  # feed the last token again
+        self.feed()
+        return self.model.head(self.hidden).to("cpu")
 
     def generate(self, settings: SamplerSettings, *, seed: int, max_new_tokens: int,
                  stop_ids: Seq[int] = (), should_stop: Callable[[list[int]], bool] | None = None,
-                 ) -> Iterator[TokenEvent]:
+                 fed: Callable[[], None] | None = None) -> Iterator[TokenEvent]:
         """Sample up to max_new_tokens; stops after an id in stop_ids, when should_stop(new ids) is
-        true, or at the end of the context. `stop_reason` says which."""
+        true, or at the end of the context. `stop_reason` says which. `fed()` is called before each
+        sample, when every token is in the cache and `hidden` is set: the moment to checkpoint."""
         new: list[int] = []
         self.stop_reason = "length"
         for _ in range(max_new_tokens):
@@ -102,8 +122,11 @@ class Sequence:
                 self.stop_reason = "context"
                 return
             logits = self.next_logits()
+            if fed is not None:
+                fed()
             token = sample(logits, settings, seed=seed, position=position, history=self.tokens)
             self.tokens.append(token)
+            self.hidden = None  # it was the previous token's
             new.append(token)
             yield TokenEvent(position, token, logits)
             if token in stop_ids:

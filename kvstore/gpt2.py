@@ -1,7 +1,8 @@
 """GPT-2: learned positions, LayerNorm, tanh-GELU, fused `c_attn`; the same cache protocol as Llama.
 
 Weights use our names (`layers.{i}.attn_qkv.weight`, already `[out, in]`: the loader transposes
-HF's Conv1D); `forward(ids, pos, cache)` writes positions pos..pos+T-1 and attends to 0..pos+T-1.
+HF's Conv1D); `forward(ids, pos, cache)` writes positions pos..pos+T-1 and attends to 0..pos+T-1;
+`feed` and `head` split a forward's last row at the final hidden state, as Llama's do.
 """
 
 from __future__ import annotations
@@ -25,6 +26,24 @@ class GPT2:
 
     def forward(self, ids: torch.Tensor, pos: int, cache: KVCache | None, *, last_only: bool) -> torch.Tensor:
         """Logits (float32) for `ids` `[T]` at positions pos..pos+T-1: `[T, vocab]`, or `[1, vocab]`."""
+        if last_only:
+            return self.head(self.feed(ids, pos, cache))[None]
+        return F.linear(self._final_norm(self._trunk(ids, pos, cache)), self.lm_head).float()
+
+    def feed(self, ids: torch.Tensor, pos: int, cache: KVCache | None) -> torch.Tensor:
+        """Write the K/V of `ids` `[T]`; the last one's final hidden state after `ln_f`: `[hidden]`."""
+        return self._final_norm(self._trunk(ids, pos, cache)[-1:])[0]
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits `[vocab]` from a final hidden state `[hidden]` (`feed`'s)."""
+        return F.linear(hidden[None], self.lm_head).float()[0]  # as a [1, hidden] row, like a chunk's last
+
+    def _final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.w
+        return F.layer_norm(x, (self.cfg.hidden_size,), w["ln_f.weight"], w["ln_f.bias"], self.cfg.norm_eps)
+
+    def _trunk(self, ids: torch.Tensor, pos: int, cache: KVCache | None) -> torch.Tensor:
+        """The residual stream `[T, hidden]` after the last block, K/V written into `cache`."""
         cfg, w = self.cfg, self.w
         T = ids.shape[0]
         if pos + T > cfg.max_context:
@@ -42,7 +61,4 @@ class GPT2:
             x = x + F.linear(h, L["proj.weight"], L["proj.bias"])
         if cache is not None:
             cache.advance(pos + T)
-        if last_only:
-            x = x[-1:]
-        x = F.layer_norm(x, (h_size,), w["ln_f.weight"], w["ln_f.bias"], cfg.norm_eps)
-        return F.linear(x, self.lm_head).float()
+        return x

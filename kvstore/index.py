@@ -88,6 +88,8 @@ class SessionRow(Base):
     n_tokens: Mapped[int] = mapped_column(Integer, default=0)
     n_cached: Mapped[int] = mapped_column(Integer, default=0)
     active_call: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    # the last token's final hidden state (raw bytes of the KV dtype) when n_cached == n_tokens (C2)
+    last_hidden: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True)
     parent_id: Mapped[str | None] = mapped_column(ForeignKey("sessions.id", ondelete="SET NULL"), nullable=True)
     fork_position: Mapped[int | None] = mapped_column(Integer, nullable=True)
     created_at: Mapped[dt.datetime] = mapped_column(DateTime, default=utcnow)

@@ -3,7 +3,10 @@
 RMSNorm, rotary embeddings (plain, linear or Llama-3 scaled, or GGUF `rope_freqs` factors),
 grouped-query attention through `F.scaled_dot_product_attention`, SwiGLU, optional biases, tied or
 untied embeddings. Speaks the KVCache protocol: `forward(ids, pos, cache)` writes positions
-pos..pos+T-1 and attends to 0..pos+T-1.
+pos..pos+T-1 and attends to 0..pos+T-1. `feed` stops at the last token's final hidden state
+(normalized) and `head` turns that into logits, so a session can keep the state, a `[hidden]`
+vector, and compute the next logits from it after a resume with the very kernel call a
+forward makes (`forward(last_only=True)` is `head(feed(...))`).
 
 Speed at this size is a matter of kernel calls, not FLOPs: Q/K/V and gate/up are fused into one
 matmul each, the residual add rides in the matmul (addmm/addmv), RMSNorm, SwiGLU and rotary are one
@@ -114,8 +117,23 @@ class Llama:
 
     def forward(self, ids: torch.Tensor, pos: int, cache: KVCache | None, *, last_only: bool) -> torch.Tensor:
         """Logits (float32) for `ids` `[T]` at positions pos..pos+T-1: `[T, vocab]`, or `[1, vocab]`."""
+        if last_only:
+            return self.head(self.feed(ids, pos, cache))[None]
+        return linear(rms_norm(self._trunk(ids, pos, cache), self.norm2, self.cfg.norm_eps), self.lm_head).float()
+
+    def feed(self, ids: torch.Tensor, pos: int, cache: KVCache | None) -> torch.Tensor:
+        """Write the K/V of `ids` `[T]` at positions pos..pos+T-1; the last one's final hidden state,
+        normalized: `[hidden]`, what `head` turns into the logits that predict the next token."""
         if ids.shape[0] == 1 and cache is not None:
             return self._step(ids, pos, cache)
+        return rms_norm(self._trunk(ids, pos, cache)[-1:], self.norm2, self.cfg.norm_eps)[0]
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits `[vocab]` from a final hidden state `[hidden]` (`feed`'s)."""
+        return matvec(self.lm_head, hidden).float()
+
+    def _trunk(self, ids: torch.Tensor, pos: int, cache: KVCache | None) -> torch.Tensor:
+        """The residual stream `[T, hidden]` after the last layer, K/V written into `cache`."""
         cfg = self.cfg
         T = ids.shape[0]
         nh, nkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
@@ -133,12 +151,10 @@ class Llama:
             x = add_linear(x, swiglu(gate_up), L.w_down, L.b_down)
         if cache is not None:
             cache.advance(pos + T)
-        if last_only:
-            x = x[-1:]
-        return linear(rms_norm(x, self.norm2, eps), self.lm_head).float()
+        return x
 
     def _step(self, ids: torch.Tensor, pos: int, cache: KVCache) -> torch.Tensor:
-        """`forward` of one token into a cache, in vectors (`[hidden]`): the decode loop's hot path, where
+        """`feed` of one token into a cache, in vectors (`[hidden]`): the decode loop's hot path, where
         Python and dispatch overhead per op is a fair share of the time, so it takes the fewest ops."""
         cfg = self.cfg
         nh, nkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
@@ -158,7 +174,7 @@ class Llama:
             gate_up = matvec(L.w_gate_up, norm(x, L.mlp_norm2), L.b_gate_up)  # [2 ffn]
             x = add_matvec(x, L.w_down, swiglu(gate_up), L.b_down)
         cache.advance(end)
-        return matvec(self.lm_head, norm(x, self.norm2)).float()[None]
+        return norm(x, self.norm2)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:

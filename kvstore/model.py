@@ -52,12 +52,33 @@ class Model:
     @torch.inference_mode()
     def forward(self, ids: Sequence[int], pos: int, cache: KVCache | None, *, last_only: bool = True) -> torch.Tensor:
         """Float32 logits for `ids` at positions pos..; writes their K/V into `cache`."""
-        if pos + len(ids) > self.config.max_context:
-            raise ModelError(f"{pos + len(ids)} tokens exceed the model's context of {self.config.max_context}")
+        self._check_fits(pos, len(ids))
         t = torch.tensor(list(ids), dtype=torch.long, device=self.device)
         if cache is not None:
             cache.reserve(pos + len(ids))
         return self.net.forward(t, pos, cache, last_only=last_only)
+
+    @torch.inference_mode()
+    def feed(self, ids: Sequence[int], pos: int, cache: KVCache) -> torch.Tensor:
+        """Write the K/V of `ids` at positions pos..; the last one's final hidden state `[hidden]`
+        (normalized, model dtype, on the model's device): `head` of it is `forward`'s last logits row."""
+        self._check_fits(pos, len(ids))
+        cache.reserve(pos + len(ids))
+        return self.net.feed(torch.tensor(list(ids), dtype=torch.long, device=self.device), pos, cache)
+
+    @torch.inference_mode()
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits `[vocab]` (model's device) from a final hidden state `[hidden]` (`feed`'s)."""
+        return self.net.head(hidden)
+
+    @property
+    def hidden_bytes(self) -> int:
+        """Bytes of one final hidden state (`feed`'s) in the model's dtype."""
+        return self.config.hidden_size * self.dtype.itemsize
+
+    def _check_fits(self, pos: int, n: int) -> None:
+        if pos + n > self.config.max_context:
+            raise ModelError(f"{pos + n} tokens exceed the model's context of {self.config.max_context}")
 
     def logits(self, ids: Sequence[int]) -> torch.Tensor:
         """A full forward without a cache: float32 `[len(ids), vocab]` on the CPU (checks, debugging)."""

@@ -3,9 +3,11 @@
 A session owns its model handle, its `Sequence` (token ids + KVCache) and its sampler settings.
 `checkpoint()` commits (contracts C2, C4, C5): the KV computed since the last checkpoint is
 appended to the session's own per-layer files and fsynced, then one index transaction moves the
-head with a compare-and-set, recording the new tokens (the last one pending), the extent, the chat
-messages and any generation still in progress. Prefill checkpoints after every chunk, generation
-every `checkpoint_every` tokens and at the end of each call. Opening verifies the model and every
+head with a compare-and-set, recording the new tokens, the last token's final hidden state when
+every token is fed (else the last token is pending), the extent, the chat messages and any
+generation still in progress. Prefill checkpoints after every chunk, generation every
+`checkpoint_every` tokens (once the last of them is fed, so a resume samples the next token from
+the stored state at once) and at the end of each call (its last token pending). Opening verifies the model and every
 checksum, and reloads the cache without recomputing anything.
 """
 
@@ -70,8 +72,9 @@ class Session:
             if len(tokens) != row.n_tokens:
                 raise CorruptData(f"session {name!r}: the index holds {len(tokens)} token ids, its head says "
                                   f"{row.n_tokens}; run `kvstore verify {name}`")
+            hidden = stored_hidden(row, model)
             cache = load_shared_cache(store, session_id, name, refs, model, row.n_cached)
-            seq = Sequence(model, cache, tokens, chunk_size=row.chunk_size)
+            seq = Sequence(model, cache, tokens, chunk_size=row.chunk_size, hidden=hidden)
             return cls(store, row, model, seq, lock, seg.committed_end, messages)
         except BaseException:
             lock.release()
@@ -108,13 +111,14 @@ class Session:
             self._refresh_reply()
         a, b = self._n_cached, self.seq.cache.length
         old_tokens, n_tokens = self._n_tokens, len(self.seq.tokens)
-        assert b < n_tokens or n_tokens == 0, "C2: the last token stays pending (not in the cache)"
         if a == b and old_tokens == n_tokens and not self._dirty_messages and not self._call_dirty:
             return False
+        assert b < n_tokens or n_tokens == 0 or self.seq.hidden is not None, "C2: all fed, and the last one's state"
+        hidden = hidden_bytes(self.seq.hidden) if b == n_tokens > 0 else None
         with self.store.db() as db, store_full_on_disk_full(f"checkpoint of {self.name!r}"), db.begin():
             head_moves = (update(SessionRow.__table__).where(SessionRow.id == self.id, SessionRow.head == self._head)
                           .values(head=self._head + 1, n_tokens=n_tokens, n_cached=b, active_call=self.active_call,
-                                  sampler=self.settings.to_dict(), updated_at=utcnow()))
+                                  last_hidden=hidden, sampler=self.settings.to_dict(), updated_at=utcnow()))
             moved = db.connection().execute(head_moves)  # Core, like _record: the checkpoint's hot path
             if moved.rowcount != 1:
                 raise SessionBusy(f"session {self.name!r} was changed or deleted by someone else since it was "
@@ -249,16 +253,20 @@ class Session:
         tok = self.model.tokenizer
         should_stop = (lambda _: any(s in tok.decode(self.seq.tokens[call["start"]:]) for s in stops)) if stops else None
         writer, since = TraceWriter(trace), 0
+
+        def fed() -> None:  # the tokens so far are in the cache: a resume from here samples at once
+            nonlocal since
+            if since >= self.checkpoint_every:
+                self.checkpoint("auto")
+                since = 0
+
         try:
             for event in self.seq.generate(self.settings, seed=self.seed, max_new_tokens=max(remaining, 0),
                                            stop_ids=tok.eos_ids if call.get("stop_at_eos", True) else (),
-                                           should_stop=should_stop):
+                                           should_stop=should_stop, fed=fed):
                 writer.write(event.position, event.token, event.logits)
                 yield event
                 since += 1
-                if since >= self.checkpoint_every:
-                    self.checkpoint("auto")
-                    since = 0
             self._end_call()
         finally:
             writer.close()
@@ -306,7 +314,9 @@ class Session:
         cache = self.model.new_cache(capacity=with_room(child.n_cached))
         if child.n_cached:
             cache.load(0, self.seq.cache.state(0, child.n_cached))
-        seq = Sequence(self.model, cache, self.seq.tokens[:child.n_tokens], chunk_size=self.seq.chunk_size)
+        hidden = self.seq.hidden if child.n_cached == child.n_tokens else None  # a fork at the head
+        seq = Sequence(self.model, cache, self.seq.tokens[:child.n_tokens], chunk_size=self.seq.chunk_size,
+                       hidden=hidden)
         return Session(self.store, child, self.model, seq, lock, 0, messages)
 
     def pack(self, *, progress: Progress | None = None) -> dict[str, int]:
@@ -357,6 +367,29 @@ def check_model(db, row: SessionRow, model) -> None:
         problems.append(f"its KV layout is {row.kv_layout}, the model's is {kv_layout(model)}")
     if problems:
         raise ModelMismatch(f"session {row.name!r} cannot continue with this model: " + "; ".join(problems))
+
+
+def hidden_bytes(hidden) -> bytes:
+    """A final hidden state `[hidden]` as the raw bytes the index keeps (`sessions.last_hidden`)."""
+    import torch  # here: a session with a model has torch loaded
+
+    return hidden.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def stored_hidden(row: SessionRow, model):
+    """The final hidden state the head checkpoint holds (C2), as a fresh tensor on the model's device;
+    None when the last token is pending. CorruptData if it is missing or not one hidden vector of the
+    model's dtype."""
+    if not row.n_tokens or row.n_cached < row.n_tokens:
+        return None
+    import torch
+
+    if row.last_hidden is None or len(row.last_hidden) != model.hidden_bytes:
+        size = "none" if row.last_hidden is None else f"{len(row.last_hidden)} bytes"
+        raise CorruptData(f"session {row.name!r}: the index holds every token's KV but its last token's state is "
+                          f"{size} (the model's: {model.hidden_bytes} bytes); run `kvstore verify {row.name}`")
+    # a copy into fresh (aligned) memory: the bits a kernel gives must not depend on where its input sits
+    return torch.frombuffer(bytearray(row.last_hidden), dtype=model.dtype).clone().to(model.device)
 
 
 def load_shared_cache(store, session_id: str, name: str, refs, model, n_cached: int):

@@ -300,19 +300,22 @@ def encode_tokens(ids: list[int]) -> bytes:
 
 
 def fork_rows(db: DB, parent: SessionRow, new_name: str, at: int | None) -> SessionRow:
-    """Insert the child's rows (inside the caller's transaction); KV extents shared, tokens copied."""
+    """Insert the child's rows (inside the caller's transaction); KV extents shared, tokens copied.
+    At the parent's head the child holds what the parent does; earlier, its last token is pending."""
     if db.scalar(select(SessionRow.id).where(SessionRow.name == new_name)):
         raise SessionExists(f"a session named {new_name!r} exists; pick another name")
     n = parent.n_tokens if at is None else int(at)
     if not 1 <= n <= parent.n_tokens:
         raise ValueError(f"fork position must be between 1 and {parent.n_tokens} (the tokens of {parent.name!r})")
-    n_cached = min(parent.n_cached, n - 1)
+    at_head = n == parent.n_tokens == parent.n_cached  # the child gets the last token's state too (C2)
+    n_cached = n if at_head else min(parent.n_cached, n - 1)
     child_id = uuid.uuid4().hex
     now = utcnow()
     db.add(SessionRow(id=child_id, name=new_name, model_fingerprint=parent.model_fingerprint, dtype=parent.dtype,
                       kv_layout=parent.kv_layout, seed=parent.seed, sampler=parent.sampler,
                       chunk_size=parent.chunk_size, checkpoint_every=parent.checkpoint_every, head=0, n_tokens=n,
-                      n_cached=n_cached, parent_id=parent.id, fork_position=n, created_at=now, updated_at=now))
+                      n_cached=n_cached, last_hidden=parent.last_hidden if at_head else None, parent_id=parent.id,
+                      fork_position=n, created_at=now, updated_at=now))
     db.flush()
     seg = db.get(SegmentRow, parent.id)
     db.add(SegmentRow(id=child_id, n_layers=seg.n_layers, token_bytes=seg.token_bytes, committed_end=0))

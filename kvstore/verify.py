@@ -1,7 +1,8 @@
 """`verify`: read back every byte a session depends on and check the index agrees with itself.
 
 Per session: its head checkpoint exists, its token blocks are contiguous and count n_tokens, its
-extents tile [0, n_cached) without gaps, every extent's bytes (raw files or packed blob) match
+extents tile [0, n_cached) without gaps, it holds the last token's state exactly when every token is
+cached (C2), every extent's bytes (raw files or packed blob) match
 their checksums, and its model is recorded. Problems are reported per session, never raised, so
 one damaged session does not hide the others.
 """
@@ -40,7 +41,8 @@ def verify_store(store, name: str | None = None, progress: Progress | None = Non
 def verify_session(store, row: SessionRow, checked: Tally | None = None) -> list[str]:
     problems: list[str] = []
     with store.db() as db:
-        if db.get(ModelRow, row.model_fingerprint) is None:
+        model_row = db.get(ModelRow, row.model_fingerprint)
+        if model_row is None:
             problems.append(f"model {row.model_fingerprint} is not recorded in the index")
         top = db.scalar(select(func.max(CheckpointRow.seq)).where(CheckpointRow.session_id == row.id))
         if top != row.head:
@@ -52,8 +54,7 @@ def verify_session(store, row: SessionRow, checked: Tally | None = None) -> list
             problems.append("token blocks are not contiguous")
         if n_tokens >= 0 and n_tokens != row.n_tokens:
             problems.append(f"{n_tokens} token ids stored, head says {row.n_tokens}")
-        if row.n_tokens and row.n_cached > row.n_tokens - 1:
-            problems.append(f"{row.n_cached} cached positions for {row.n_tokens} tokens (one must stay pending)")
+        problems += state_problems(row, model_row.config.get("hidden_size") if model_row is not None else None)
         refs = session_extents(db, row.id)
     position = 0
     for ref in refs:
@@ -71,3 +72,20 @@ def verify_session(store, row: SessionRow, checked: Tally | None = None) -> list
     if position != row.n_cached:
         problems.append(f"extents cover {position} positions, head says {row.n_cached}")
     return problems
+
+
+def state_problems(row: SessionRow, hidden_size: int | None) -> list[str]:
+    """C2: with every token's KV cached, the head holds the last token's final hidden state (one
+    vector of the KV dtype); with the last token pending, it holds none."""
+    stored = row.last_hidden
+    if row.n_cached > row.n_tokens:
+        return [f"{row.n_cached} cached positions for {row.n_tokens} tokens"]
+    if row.n_cached < row.n_tokens:
+        return ["a last-token state is stored, but the last token is pending"] if stored is not None else []
+    if not row.n_tokens:
+        return []
+    if stored is None:
+        return ["every token's KV is cached, but the last token's state is missing"]
+    if hidden_size is not None and len(stored) != hidden_size * ITEMSIZE[row.dtype]:
+        return [f"the last token's state has {len(stored)} bytes, the model's is {hidden_size * ITEMSIZE[row.dtype]}"]
+    return []

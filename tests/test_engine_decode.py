@@ -66,16 +66,76 @@ def test_chunked_prefill_matches_full_forward(loaded, tiny, name, chunk):
 
 
 @pytest.mark.parametrize("chunk", [1, 5, 512])
-def test_sequence_prefill_leaves_the_last_token_pending(loaded, tiny, chunk):
+def test_sequence_prefill_feeds_every_token_and_keeps_the_last_ones_state(loaded, tiny, chunk):
+    """Contract C2 (as kvstore amends it): after a prefill the cache holds every token and `hidden`
+    the last one's final state, from which the next logits come without another pass."""
     model = loaded("llama-gqa")
     ids = tiny("llama-gqa").ids(23)
     seq = Sequence(model, chunk_size=chunk)
     lengths = list(seq.extend(ids))
-    assert lengths[-1] == seq.cache.length == len(ids) - 1
+    assert lengths[-1] == seq.cache.length == len(ids)
     assert all(b % chunk == 0 for b in lengths[:-1])
-    assert seq.pending == ids[-1:]
+    assert seq.pending == [] and seq.hidden.shape == (model.config.hidden_size,)
     assert_close(seq.next_logits(), model.logits(ids)[-1])
-    assert seq.pending == [] and seq.cache.length == len(ids)
+    assert seq.cache.length == len(ids)  # nothing was fed again
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", ARCHS)
+@pytest.mark.parametrize("T", [1, 5])  # the decode step, a chunk
+def test_logits_from_a_stored_state_are_the_forwards_bit_for_bit(loaded, tiny, name, dtype, T):
+    """The state goes to the index as bytes and comes back in other memory: `head` of it gives the
+    bits the live forward gave."""
+    from kvstore.session import hidden_bytes
+
+    model = loaded(name, dtype)
+    ids = tiny(name).ids(16 + T)
+    live, kept = model.new_cache(), model.new_cache()
+    model.forward(ids[:16], 0, live)
+    model.forward(ids[:16], 0, kept)
+    expected = model.forward(ids[16:], 16, live, last_only=True)[0]
+    stored = hidden_bytes(model.feed(ids[16:], 16, kept))
+    assert len(stored) == model.hidden_bytes
+    again = torch.frombuffer(bytearray(stored), dtype=model.dtype).clone()
+    assert torch.equal(model.head(again), expected)
+    assert all(torch.equal(a, b) for a, b in zip(live.state(), kept.state()))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_resume_from_a_fed_state_samples_at_once_and_bit_identically(loaded, tiny, dtype):
+    """Mid-generation checkpoints are taken once the last sampled token is fed: the resumed
+    sequence computes its first logits from the state alone."""
+    model = loaded("llama-gqa", dtype)
+    prompt = tiny("llama-gqa").ids(19)
+    tokens, logits = run(model, prompt, n=10)
+    live = Sequence(model, chunk_size=8)
+    list(live.extend(prompt))
+    list(live.generate(SAMPLED, seed=7, max_new_tokens=4))
+    live.feed()  # what a checkpoint after 4 tokens does
+    state, hidden = [t.clone() for t in live.cache.state()], live.hidden.clone()
+
+    resumed = Sequence(model, KVCache.from_state(state), live.tokens, chunk_size=8, hidden=hidden)
+    fed = []
+    real_feed = model.net.feed
+    model.net.feed = lambda ids, pos, cache: fed.append(pos) or real_feed(ids, pos, cache)
+    try:
+        events = list(resumed.generate(SAMPLED, seed=7, max_new_tokens=6))
+    finally:
+        del model.net.feed
+    assert fed == list(range(len(prompt) + 4, len(prompt) + 9))  # the first token needed no feed
+    assert [e.token for e in events] == tokens[4:]
+    assert torch.equal(torch.stack([e.logits for e in events]), logits[4:])
+
+
+def test_a_full_cache_without_the_last_state_feeds_the_last_token_again(loaded, tiny):
+    """A cache built elsewhere (`KVCache.from_state`) with no state: the last token is fed once more."""
+    model = loaded("llama-gqa")
+    ids = tiny("llama-gqa").ids(12)
+    seq = Sequence(model)
+    list(seq.extend(ids))
+    rebuilt = Sequence(model, KVCache.from_state([t.clone() for t in seq.cache.state()]), ids)
+    assert_close(rebuilt.next_logits(), seq.next_logits())
+    assert rebuilt.cache.length == len(ids) and rebuilt.hidden is not None
 
 
 def test_chunk_boundaries_are_multiples_of_the_chunk_size_in_absolute_positions():
@@ -137,7 +197,8 @@ def test_resume_is_bit_identical_with_the_default_thread_count(loaded, tiny):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_resume_with_a_pending_token_then_a_new_turn_is_bit_identical(loaded, tiny, dtype):
-    """Contract C2: the checkpoint holds K/V of t0..t(n-1) and the sampled tn, not yet fed."""
+    """Contract C2: at the end of a generation call the checkpoint holds K/V of t0..t(n-1) and the
+    sampled tn, not yet fed."""
     model = loaded("qwen2-bias", dtype)
     m = tiny("qwen2-bias")
     prompt, turn = m.ids(20, seed=1), m.ids(9, seed=2)
@@ -177,10 +238,10 @@ def test_cache_state_is_token_major_in_the_model_dtype(loaded, tiny):
     state = seq.cache.state()
     c = model.config
     assert len(state) == c.n_layers
-    assert all(t.shape == (10, 2, c.n_kv_heads, c.head_dim) and t.dtype == torch.bfloat16 for t in state)
+    assert all(t.shape == (11, 2, c.n_kv_heads, c.head_dim) and t.dtype == torch.bfloat16 for t in state)
     assert [t.shape[0] for t in seq.cache.state(4, 10)] == [6] * c.n_layers
     copy = KVCache.from_state(state)
-    assert copy.length == 10 and all(torch.equal(a, b) for a, b in zip(copy.state(), state))
+    assert copy.length == 11 and all(torch.equal(a, b) for a, b in zip(copy.state(), state))
 
 
 def test_cache_growth_keeps_the_valid_prefix(loaded, tiny):

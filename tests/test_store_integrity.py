@@ -39,6 +39,14 @@ def saved(store, model):
     return store
 
 
+@pytest.fixture
+def prefilled(store, model):
+    """A closed session whose last checkpoint is its prefill's: every token's KV and the last one's state."""
+    with store.new("s", model, seed=1, chunk_size=16) as s:
+        s.append_text(H.DOCUMENT)
+    return store
+
+
 def layer_file(store, name="s", layer=0) -> Path:
     return store.session_dir(store.info(name).id) / f"layer-{layer:03d}.kv"
 
@@ -277,6 +285,45 @@ def test_forged_manifests_are_refused(saved, tmp_path, forge):
     with pytest.raises(expected):
         other.import_(tmp_path / "forged.kvs")
     assert other.names() == [] and not any(other.sessions_dir.iterdir())
+
+
+@pytest.mark.parametrize("forge", ["short", "not-hex", "missing", "pending"])
+def test_an_archive_with_a_forged_last_token_state_is_refused(prefilled, model, tmp_path, forge):
+    prefilled.export("s", tmp_path / "s.kvs")
+    manifest, payload = _archive_parts(tmp_path / "s.kvs")
+    session = manifest["session"]
+    assert session["n_cached"] == session["n_tokens"] and len(session["last_hidden"]) == 2 * model.hidden_bytes
+    if forge == "short":
+        session["last_hidden"] = session["last_hidden"][:-2]
+    elif forge == "not-hex":
+        session["last_hidden"] = "zz" + session["last_hidden"][2:]
+    elif forge == "missing":
+        session["last_hidden"] = None
+    elif forge == "pending":
+        manifest["tokens"].append(manifest["tokens"][-1])
+        session["n_tokens"] += 1
+    _write_archive(tmp_path / "forged.kvs", manifest, payload, version=4)
+    other = kvstore.open_store(tmp_path / "other")
+    with pytest.raises(CorruptData, match="last.token"):
+        other.import_(tmp_path / "forged.kvs")
+    assert other.names() == [] and not any(other.sessions_dir.iterdir())
+
+
+def test_a_lost_last_token_state_is_corrupt_data_on_open_and_in_verify(prefilled, model):
+    from sqlalchemy import update
+
+    from kvstore.index import SessionRow
+
+    with prefilled.db() as db, db.begin():
+        db.execute(update(SessionRow).values(last_hidden=None))
+    with pytest.raises(CorruptData, match="last token's state is none"):
+        prefilled.open("s", model)
+    assert prefilled.verify() == {"s": ["every token's KV is cached, but the last token's state is missing"]}
+    with prefilled.db() as db, db.begin():
+        db.execute(update(SessionRow).values(last_hidden=b"\0" * 6))
+    with pytest.raises(CorruptData, match="6 bytes"):
+        prefilled.open("s", model)
+    assert "has 6 bytes" in prefilled.verify()["s"][0]
 
 
 def test_archive_magic_version_and_damage(saved, tmp_path):

@@ -1,7 +1,9 @@
 """Contract C1: a session that is checkpointed, closed or killed, and resumed produces exactly the
 tokens and logits bits (equal trace lines: sha256 of every float32 logits row) of a run that never
 stopped — in the same process, in a new process, after SIGKILL at random moments, after a kill
-mid-prefill, through fork, pack and export/import, and across a new chat turn."""
+mid-prefill, through fork, pack and export/import, and across a new chat turn; from checkpoints
+whose last token is pending (the end of a generation call) and from those that hold the last
+token's state (a prefill's, mid-generation ones: C2 as kvstore amends it)."""
 
 from __future__ import annotations
 
@@ -133,6 +135,42 @@ def test_kill_mid_prefill_resumes_at_the_next_chunk(tmp_path, model_path, model,
         trace = tmp_path / "t.jsonl"
         list(s.generate(8, trace=trace, stop_at_eos=False))
         assert H.read_trace(trace) == H.read_trace(ref_trace)
+
+
+def _reopened(store, tmp_path, model, way: str):
+    """(store, name) of session 's' after it went through `way`."""
+    if way == "fork":
+        store.fork("s", "copy")
+        return store, "copy"
+    if way == "pack":
+        store.pack("s")
+    if way == "export":
+        store.export("s", tmp_path / "s.kvs")
+        other = kvstore.open_store(tmp_path / "other-home")
+        return other, other.import_(tmp_path / "s.kvs", model=model)
+    return store, "s"
+
+
+@pytest.mark.parametrize("way", ["reopen", "fork", "pack", "export"])
+def test_a_prefilled_document_resumes_from_its_last_tokens_state(tmp_path, model, mode, reference, way,
+                                                                   monkeypatch):
+    """A prefill's last checkpoint holds every token's KV and the last token's final state: the
+    resumed session samples its first token from that state, feeding nothing through the layers
+    first, and goes on exactly as the run that never stopped."""
+    store, s = new_session(tmp_path / "home", model, mode)
+    assert s.seq.cache.length == len(s.tokens)
+    n_prompt = len(s.tokens)
+    s.close()
+    store, name = _reopened(store, tmp_path, model, way)
+    fed = []
+    real_feed = model.net.feed
+    monkeypatch.setattr(model.net, "feed", lambda ids, pos, cache: fed.append(pos) or real_feed(ids, pos, cache))
+    trace = tmp_path / "t.jsonl"
+    with store.open(name, model) as s:
+        assert s.pending == [] and s.seq.hidden is not None
+        list(s.generate(N_NEW, trace=trace, stop_at_eos=False))
+        H.assert_matches(reference, s.tokens, H.read_trace(trace))
+    assert fed[0] == n_prompt  # the first feed is the first new token's: the prompt's last was not fed again
 
 
 def test_fork_then_continue_replays_the_parent(tmp_path, model, mode, reference):

@@ -73,6 +73,26 @@ def test_fork_at_a_position(store):
         store.fork("doc", "bad", at=10_000)
 
 
+def test_a_fork_at_the_head_takes_the_last_tokens_state_an_earlier_one_leaves_its_last_token_pending(tmp_path, model):
+    store = kvstore.open_store(tmp_path / "home")
+    with store.new("doc", model, seed=1, chunk_size=16) as s:
+        s.append_text(H.DOCUMENT)
+        state, tokens = s.seq.hidden.clone(), list(s.tokens)
+        live = s.fork("live")  # in this process, from the open session
+        assert torch.equal(live.seq.hidden, state) and live.seq.cache.length == len(tokens)
+        live.close()
+    store.fork("doc", "head")
+    store.fork("doc", "early", at=10)
+    assert store.info("head").n_cached == store.info("live").n_cached == len(tokens)
+    assert store.info("early").n_cached == 9
+    for name in ("head", "live"):
+        with store.open(name, model) as c:
+            assert torch.equal(c.seq.hidden, state) and c.pending == []
+    with store.open("early", model) as c:
+        assert c.seq.hidden is None and c.pending == [tokens[9]]
+    assert all(problems == [] for problems in store.verify().values())
+
+
 def test_deleting_the_parent_keeps_the_fork_and_gc_frees_only_unreferenced_files(store, model):
     store.fork("doc", "child")
     parent_dir = store.session_dir(store.info("doc").id)

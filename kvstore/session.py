@@ -17,7 +17,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from sqlalchemy import delete, insert, select, update
+from sqlalchemy import bindparam, delete, insert, select, update
 
 from .cache import with_room
 from .chat import turn_ids
@@ -33,6 +33,17 @@ from .progress import Progress
 from .store import encode_tokens, fork_rows, kv_layout, read_tokens
 from .tokenizer import StreamDecoder
 from .trace import TraceWriter
+
+
+# A checkpoint's statements, built once: the values come with each execution. The head moves with a
+# compare-and-set on (id, head); `p_` names the WHERE parameters (a SET column's own name is taken).
+_S = SessionRow.__table__
+HEAD_MOVES = update(_S).where(_S.c.id == bindparam("p_id"), _S.c.head == bindparam("p_head"))
+SEGMENT_GROWS = update(SegmentRow.__table__).where(SegmentRow.__table__.c.id == bindparam("p_id"))
+ADD_CHECKPOINT = insert(CheckpointRow.__table__)
+ADD_EXTENT = insert(ExtentRow.__table__).returning(ExtentRow.__table__.c.id)
+ADD_SESSION_EXTENT = insert(SessionExtentRow.__table__)
+ADD_TOKENS = insert(TokenBlockRow.__table__)
 
 
 class Session:
@@ -116,10 +127,10 @@ class Session:
         assert b < n_tokens or n_tokens == 0 or self.seq.hidden is not None, "C2: all fed, and the last one's state"
         hidden = hidden_bytes(self.seq.hidden) if b == n_tokens > 0 else None
         with self.store.db() as db, store_full_on_disk_full(f"checkpoint of {self.name!r}"), db.begin():
-            head_moves = (update(SessionRow.__table__).where(SessionRow.id == self.id, SessionRow.head == self._head)
-                          .values(head=self._head + 1, n_tokens=n_tokens, n_cached=b, active_call=self.active_call,
-                                  last_hidden=hidden, sampler=self.settings.to_dict(), updated_at=utcnow()))
-            moved = db.connection().execute(head_moves)  # Core, like _record: the checkpoint's hot path
+            moved = db.connection().execute(HEAD_MOVES, {  # Core, like _record: the checkpoint's hot path
+                "p_id": self.id, "p_head": self._head, "head": self._head + 1, "n_tokens": n_tokens, "n_cached": b,
+                "active_call": self.active_call, "last_hidden": hidden, "sampler": self.settings.to_dict(),
+                "updated_at": utcnow()})
             if moved.rowcount != 1:
                 raise SessionBusy(f"session {self.name!r} was changed or deleted by someone else since it was "
                                   "opened; nothing was committed. Open it again")
@@ -142,22 +153,20 @@ class Session:
     def _record(self, db, reason: str, a: int, b: int, old_tokens: int, written) -> None:
         """The rows of a checkpoint besides the head: the checkpoint, the extent, new tokens, messages.
 
-        Core statements on the tables, not ORM objects: this runs at every checkpoint of a decode,
-        and the unit of work's flushes cost more than the SQL here."""
+        Core statements built once (below), not ORM objects: this runs at every checkpoint of a
+        decode, and the unit of work's flushes, or building the statements anew, cost more than the SQL."""
         n_tokens = len(self.seq.tokens)
         run = db.connection().execute
-        run(insert(CheckpointRow.__table__).values(session_id=self.id, seq=self._head + 1, n_tokens=n_tokens,
-                                                   n_cached=b, reason=reason, created_at=utcnow()))
+        run(ADD_CHECKPOINT, {"session_id": self.id, "seq": self._head + 1, "n_tokens": n_tokens, "n_cached": b,
+                             "reason": reason, "created_at": utcnow()})
         if written is not None:
-            run(update(SegmentRow.__table__).where(SegmentRow.id == self.id).values(committed_end=written.end))
-            extent_id = run(insert(ExtentRow.__table__).values(
-                segment_id=self.id, offset=written.offset, n_tokens=written.n_tokens,
-                checksums=written.checksums).returning(ExtentRow.id)).scalar_one()
-            run(insert(SessionExtentRow.__table__).values(session_id=self.id, start=a, extent_id=extent_id,
-                                                          n_tokens=b - a))
+            run(SEGMENT_GROWS, {"p_id": self.id, "committed_end": written.end})
+            extent_id = run(ADD_EXTENT, {"segment_id": self.id, "offset": written.offset, "n_tokens": written.n_tokens,
+                                         "checksums": written.checksums}).scalar_one()
+            run(ADD_SESSION_EXTENT, {"session_id": self.id, "start": a, "extent_id": extent_id, "n_tokens": b - a})
         if n_tokens > old_tokens:
-            run(insert(TokenBlockRow.__table__).values(session_id=self.id, start=old_tokens,
-                                                       ids=encode_tokens(self.seq.tokens[old_tokens:])))
+            run(ADD_TOKENS, {"session_id": self.id, "start": old_tokens,
+                             "ids": encode_tokens(self.seq.tokens[old_tokens:])})
         self._write_messages(db)
 
     def _write_messages(self, db) -> None:

@@ -7,8 +7,8 @@ head with a compare-and-set, recording the new tokens, the last token's final hi
 every token is fed (else the last token is pending), the extent, the chat messages and any
 generation still in progress. Prefill checkpoints after every chunk, generation every
 `checkpoint_every` tokens (once the last of them is fed, so a resume samples the next token from
-the stored state at once) and at the end of each call (its last token pending). Opening verifies the model and every
-checksum, and reloads the cache without recomputing anything.
+the stored state at once) and at the end of each call (its last token pending). Opening verifies
+the model and every checksum, and reloads the cache without recomputing anything.
 """
 
 from __future__ import annotations

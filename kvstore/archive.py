@@ -36,7 +36,7 @@ from .index import (CheckpointRow, ExtentRow, MessageRow, ModelRow, SegmentRow, 
 from .locking import SessionLock
 from .progress import Progress, Tally
 from .sampling import SamplerSettings
-from .store import check_name, encode_tokens, read_tokens
+from .store import check_name, encode_tokens, last_state_problem, read_tokens
 
 MAGIC = b"\x89KVS\r\n\x1a\n"
 VERSION = 4
@@ -367,13 +367,13 @@ def _validate(man: Any, data_size: int, file: str) -> dict[str, Any]:
 
 
 def _validate_hidden(hidden, n_tokens: int, n_cached: int, cfg: dict[str, Any], dtype: str, need, is_int) -> None:
-    """C2: the last token's state (hex of one hidden vector) exactly when every token's KV is cached."""
-    if not (n_tokens and n_cached == n_tokens):
-        need(hidden is None, "a last-token state with the last token pending")
-        return
-    size = cfg.get("hidden_size", 0) * ITEMSIZE[dtype] if is_int(cfg.get("hidden_size"), 1, 1 << 20) else -1
-    need(isinstance(hidden, str) and len(hidden) == 2 * size and re.fullmatch(r"[0-9a-f]*", hidden) is not None,
-         "the last token's state is missing or not one hidden vector of the model")
+    """C2 (`store.last_state_problem`): the last token's state, hex of one hidden vector, exactly
+    when every token's KV is cached."""
+    need(hidden is None or (isinstance(hidden, str) and re.fullmatch(r"(?:[0-9a-f]{2})*", hidden) is not None),
+         "the last token's state is not lowercase hex")
+    size = cfg["hidden_size"] * ITEMSIZE[dtype] if is_int(cfg.get("hidden_size"), 1, 1 << 20) else -1
+    problem = last_state_problem(n_tokens, n_cached, None if hidden is None else bytes.fromhex(hidden), size)
+    need(problem is None, str(problem))
 
 
 def _unknown_fields(man: dict[str, Any]) -> list[str]:

@@ -125,8 +125,7 @@ class Sequence:
             if fed is not None:
                 fed()
             token = sample(logits, settings, seed=seed, position=position, history=self.tokens)
-            self.tokens.append(token)
-            self.hidden = None  # it was the previous token's
+            self.add([token])  # and the state, the previous token's, goes
             new.append(token)
             yield TokenEvent(position, token, logits)
             if token in stop_ids:

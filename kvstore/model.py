@@ -52,19 +52,13 @@ class Model:
     @torch.inference_mode()
     def forward(self, ids: Sequence[int], pos: int, cache: KVCache | None, *, last_only: bool = True) -> torch.Tensor:
         """Float32 logits for `ids` at positions pos..; writes their K/V into `cache`."""
-        self._check_fits(pos, len(ids))
-        t = torch.tensor(list(ids), dtype=torch.long, device=self.device)
-        if cache is not None:
-            cache.reserve(pos + len(ids))
-        return self.net.forward(t, pos, cache, last_only=last_only)
+        return self.net.forward(self._ids(ids, pos, cache), pos, cache, last_only=last_only)
 
     @torch.inference_mode()
     def feed(self, ids: Sequence[int], pos: int, cache: KVCache) -> torch.Tensor:
         """Write the K/V of `ids` at positions pos..; the last one's final hidden state `[hidden]`
         (normalized, model dtype, on the model's device): `head` of it is `forward`'s last logits row."""
-        self._check_fits(pos, len(ids))
-        cache.reserve(pos + len(ids))
-        return self.net.feed(torch.tensor(list(ids), dtype=torch.long, device=self.device), pos, cache)
+        return self.net.feed(self._ids(ids, pos, cache), pos, cache)
 
     @torch.inference_mode()
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -76,9 +70,14 @@ class Model:
         """Bytes of one final hidden state (`feed`'s) in the model's dtype."""
         return self.config.hidden_size * self.dtype.itemsize
 
-    def _check_fits(self, pos: int, n: int) -> None:
-        if pos + n > self.config.max_context:
-            raise ModelError(f"{pos + n} tokens exceed the model's context of {self.config.max_context}")
+    def _ids(self, ids: Sequence[int], pos: int, cache: KVCache | None) -> torch.Tensor:
+        """`ids` as a tensor on the model's device, once they are known to fit in the context at pos and
+        the cache has room for them."""
+        if pos + len(ids) > self.config.max_context:
+            raise ModelError(f"{pos + len(ids)} tokens exceed the model's context of {self.config.max_context}")
+        if cache is not None:
+            cache.reserve(pos + len(ids))
+        return torch.tensor(list(ids), dtype=torch.long, device=self.device)
 
     def logits(self, ids: Sequence[int]) -> torch.Tensor:
         """A full forward without a cache: float32 `[len(ids), vocab]` on the CPU (checks, debugging)."""

@@ -17,6 +17,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+import torch
 from sqlalchemy import bindparam, delete, insert, select, update
 
 from .cache import with_room
@@ -30,7 +31,7 @@ from .locking import SessionLock
 from .sampling import SamplerSettings
 from . import segments
 from .progress import Progress
-from .store import encode_tokens, fork_rows, kv_layout, read_tokens
+from .store import encode_tokens, fork_rows, kv_layout, last_state_problem, read_tokens
 from .tokenizer import StreamDecoder
 from .trace import TraceWriter
 
@@ -378,25 +379,19 @@ def check_model(db, row: SessionRow, model) -> None:
         raise ModelMismatch(f"session {row.name!r} cannot continue with this model: " + "; ".join(problems))
 
 
-def hidden_bytes(hidden) -> bytes:
+def hidden_bytes(hidden: torch.Tensor) -> bytes:
     """A final hidden state `[hidden]` as the raw bytes the index keeps (`sessions.last_hidden`)."""
-    import torch  # here: a session with a model has torch loaded
-
     return hidden.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes()
 
 
-def stored_hidden(row: SessionRow, model):
+def stored_hidden(row: SessionRow, model) -> torch.Tensor | None:
     """The final hidden state the head checkpoint holds (C2), as a fresh tensor on the model's device;
     None when the last token is pending. CorruptData if it is missing or not one hidden vector of the
     model's dtype."""
     if not row.n_tokens or row.n_cached < row.n_tokens:
         return None
-    import torch
-
-    if row.last_hidden is None or len(row.last_hidden) != model.hidden_bytes:
-        size = "none" if row.last_hidden is None else f"{len(row.last_hidden)} bytes"
-        raise CorruptData(f"session {row.name!r}: the index holds every token's KV but its last token's state is "
-                          f"{size} (the model's: {model.hidden_bytes} bytes); run `kvstore verify {row.name}`")
+    if problem := last_state_problem(row.n_tokens, row.n_cached, row.last_hidden, model.hidden_bytes):
+        raise CorruptData(f"session {row.name!r}: {problem}; run `kvstore verify {row.name}`")
     # a copy into fresh (aligned) memory: the bits a kernel gives must not depend on where its input sits
     return torch.frombuffer(bytearray(row.last_hidden), dtype=model.dtype).clone().to(model.device)
 

@@ -293,6 +293,23 @@ def read_tokens(db: DB, session_id: str) -> list[int]:
     return out
 
 
+def last_state_problem(n_tokens: int, n_cached: int, state: bytes | None, size: int | None) -> str | None:
+    """Contract C2 on a head: with every token's KV cached, it holds the last token's final hidden
+    state, `size` bytes (one vector of the KV dtype; None: size not checked); with the last token
+    pending, none. What is wrong, or None."""
+    if n_cached > n_tokens:
+        return f"{n_cached} cached positions for {n_tokens} tokens"
+    if n_cached < n_tokens:
+        return "a last-token state is stored, but the last token is pending" if state is not None else None
+    if not n_tokens:
+        return None
+    if state is None:
+        return "every token's KV is cached, but the last token's state is missing"
+    if size is not None and len(state) != size:
+        return f"the last token's state has {len(state)} bytes, the model's is {size}"
+    return None
+
+
 def encode_tokens(ids: list[int]) -> bytes:
     import numpy as np
 

@@ -16,7 +16,7 @@ from .errors import CorruptData
 from .extents import kv_bytes, read_layers_unlocked, session_extents
 from .index import CheckpointRow, ModelRow, SessionRow
 from .progress import Progress, Tally
-from .store import read_tokens
+from .store import last_state_problem, read_tokens
 
 
 def verify_store(store, name: str | None = None, progress: Progress | None = None) -> dict[str, list[str]]:
@@ -54,7 +54,10 @@ def verify_session(store, row: SessionRow, checked: Tally | None = None) -> list
             problems.append("token blocks are not contiguous")
         if n_tokens >= 0 and n_tokens != row.n_tokens:
             problems.append(f"{n_tokens} token ids stored, head says {row.n_tokens}")
-        problems += state_problems(row, model_row.config.get("hidden_size") if model_row is not None else None)
+        hidden_size = model_row.config.get("hidden_size") if model_row is not None else None
+        if problem := last_state_problem(row.n_tokens, row.n_cached, row.last_hidden,
+                                         hidden_size * ITEMSIZE[row.dtype] if hidden_size else None):
+            problems.append(problem)
         refs = session_extents(db, row.id)
     position = 0
     for ref in refs:
@@ -73,19 +76,3 @@ def verify_session(store, row: SessionRow, checked: Tally | None = None) -> list
         problems.append(f"extents cover {position} positions, head says {row.n_cached}")
     return problems
 
-
-def state_problems(row: SessionRow, hidden_size: int | None) -> list[str]:
-    """C2: with every token's KV cached, the head holds the last token's final hidden state (one
-    vector of the KV dtype); with the last token pending, it holds none."""
-    stored = row.last_hidden
-    if row.n_cached > row.n_tokens:
-        return [f"{row.n_cached} cached positions for {row.n_tokens} tokens"]
-    if row.n_cached < row.n_tokens:
-        return ["a last-token state is stored, but the last token is pending"] if stored is not None else []
-    if not row.n_tokens:
-        return []
-    if stored is None:
-        return ["every token's KV is cached, but the last token's state is missing"]
-    if hidden_size is not None and len(stored) != hidden_size * ITEMSIZE[row.dtype]:
-        return [f"the last token's state has {len(stored)} bytes, the model's is {hidden_size * ITEMSIZE[row.dtype]}"]
-    return []

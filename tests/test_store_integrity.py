@@ -316,7 +316,7 @@ def test_a_lost_last_token_state_is_corrupt_data_on_open_and_in_verify(prefilled
 
     with prefilled.db() as db, db.begin():
         db.execute(update(SessionRow).values(last_hidden=None))
-    with pytest.raises(CorruptData, match="last token's state is none"):
+    with pytest.raises(CorruptData, match="last token's state is missing"):
         prefilled.open("s", model)
     assert prefilled.verify() == {"s": ["every token's KV is cached, but the last token's state is missing"]}
     with prefilled.db() as db, db.begin():

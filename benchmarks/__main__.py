@@ -141,7 +141,7 @@ def load_peers(model, args) -> tuple:
 
 def engine_phase(model, kv_load_s: float, hf, llama, cfg: dict) -> dict:
     """Decode and prefill speed, kvstore vs each peer, through benchmarks.engine's A B B A loop."""
-    from kvstore.generate import DEFAULT_CHUNK
+    from kvstore.engine.sequence import DEFAULT_CHUNK
 
     from . import engine
 

@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     import kvstore
-    from kvstore.generate import DEFAULT_CHUNK
+    from kvstore.engine.sequence import DEFAULT_CHUNK
 
     chunk = args.chunk or DEFAULT_CHUNK
     t0 = time.perf_counter()

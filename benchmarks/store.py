@@ -52,8 +52,8 @@ def evict(paths: Iterable[Path]) -> None:
 
 def go_cold(store) -> None:
     """What a new process's first open meets: the store's files out of the page cache, and no
-    memory of closed sessions to reuse (`kvstore.cache.POOL`)."""
-    from kvstore.cache import POOL
+    memory of closed sessions to reuse (`kvstore.engine.cache.POOL`)."""
+    from kvstore.engine.cache import POOL
 
     evict(store_files(store))
     POOL.clear()

@@ -18,10 +18,10 @@ from typing import IO, Any, Callable, Iterator
 
 import click
 
+import kvstore
+
 from .render import Stream, Timer, note, prefill_bar, rate
 
-DEFAULT_MODEL = "smollm2"
-DEFAULT_MAX_NEW_TOKENS = 256
 SAMPLING = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
 
 
@@ -56,9 +56,9 @@ class Options:
 def generation_options(continuing: bool) -> Callable:
     """The options `new` and `continue` share; on `continue` the defaults are the session's own."""
     model_help = ("Model file or alias [default: the session's own]." if continuing else
-                  "Model: alias, .gguf file or Hugging Face folder [default: smollm2].")
-    every_default = "the session's" if continuing else "16"
-    dtype_default = "the session's" if continuing else "bfloat16"
+                  f"Model: alias, .gguf file or Hugging Face folder [default: {kvstore.DEFAULT_MODEL}].")
+    every_default = "the session's" if continuing else str(kvstore.DEFAULT_CHECKPOINT_EVERY)
+    dtype_default = "the session's" if continuing else kvstore.DEFAULT_DTYPE
     o = click.option
     options = [
         o("--prompt", "-p", metavar="TEXT", help="Input text (else --file, else stdin when it is not a terminal)."),
@@ -66,7 +66,7 @@ def generation_options(continuing: bool) -> Callable:
           help="Read the input from FILE ('-': stdin)."),
         o("--raw", is_flag=True, help="Feed the input as is, without the chat template (documents, completion)."),
         o("--model", "-m", metavar="MODEL", help=model_help),
-        o("--max-new-tokens", "-n", type=click.IntRange(min=0), default=DEFAULT_MAX_NEW_TOKENS, show_default=True,
+        o("--max-new-tokens", "-n", type=click.IntRange(min=0), default=kvstore.DEFAULT_MAX_NEW_TOKENS, show_default=True,
           help="Most tokens to generate."),
         o("--temperature", type=click.FloatRange(min=0), help="Sampling temperature (0: greedy)."),
         o("--top-k", type=click.IntRange(min=0), help="Keep the K most likely tokens (0: off)."),
@@ -77,7 +77,7 @@ def generation_options(continuing: bool) -> Callable:
           help=f"Checkpoint every N generated tokens [default: {every_default}]."),
         o("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
           help="Where the model runs."),
-        o("--dtype", type=click.Choice(["bfloat16", "float32", "float16"]),
+        o("--dtype", type=click.Choice(kvstore.DTYPE_NAMES),
           help=f"Weights and KV dtype [default: {dtype_default}]."),
         o("--threads", type=click.IntRange(min=1), help="CPU threads for torch (bits can differ across counts)."),
         o("--trace", type=click.Path(dir_okay=False, path_type=Path),
@@ -104,24 +104,21 @@ def register(cli: click.Group) -> None:
 @click.option("--seed", type=int, default=0, show_default=True,
               help="Sampling seed (draws depend on seed and position only).")
 @click.option("--chunk-size", type=click.IntRange(min=1), default=None,
-              help="Prefill chunk in tokens, a checkpoint after each [default: 512]; larger reads long "
-                   "texts faster, with fewer checkpoints.")
+              help=f"Prefill chunk in tokens, a checkpoint after each [default: {kvstore.DEFAULT_CHUNK}]; larger "
+                   "reads long texts faster, with fewer checkpoints.")
 @generation_options(continuing=False)
 @click.pass_obj
 def new(app, session: str, system: str | None, seed: int, chunk_size: int | None, **kwargs):
     """Create a session, read the input into it and stream the reply."""
-    from kvstore.errors import SessionExists
-    from kvstore.store import check_name
-
     o = Options(**kwargs)
     text = read_input(o)
     if system is not None and o.raw:
         raise click.UsageError("--system belongs to chat turns; with --raw, put it in the text")
     store = app.store
-    if check_name(session) in store.names():
-        raise SessionExists(f"a session named {session!r} exists; pick another name, "
-                            f"`kvstore continue {session}` or `kvstore rm {session}`")
-    model = load(o, o.model or DEFAULT_MODEL, o.dtype, app.home)
+    store.check_new_name(session)
+    model = load(o, o.model or kvstore.DEFAULT_MODEL, o.dtype, app.home)
+    if text is not None:  # refuse an input the context cannot hold before anything is created
+        model.check_context(first_turn_tokens(model, text, system, o.raw))
     settings = dict(o.sampling)
     if o.checkpoint_every is not None:
         settings["checkpoint_every"] = o.checkpoint_every
@@ -146,13 +143,13 @@ def continue_(app, session: str, **kwargs):
     text = read_input(o)
     store = app.store
     info = store.info(session)
-    probe_lock(store, info)
+    store.check_writable(session)  # at once, before a model is loaded
     model = load(o, o.model or info.model_source, o.dtype or info.dtype, app.home)
     with Stops() as stops:
         try:
             timer = Timer()
             with store.open(session, model, device=o.device) as s:
-                o.stat(f"restore: {len(s.tokens):,} tokens ({s.seq.cache.length:,} cached) from disk in "
+                o.stat(f"restore: {len(s.tokens):,} tokens ({s.n_cached:,} cached) from disk in "
                        f"{timer.elapsed:.3f} s, no prefill")
                 if o.checkpoint_every is not None:
                     s.checkpoint_every = o.checkpoint_every
@@ -175,31 +172,29 @@ def read_input(o: Options) -> str | None:
 
 
 def load(o: Options, spec: str, dtype: str | None, home):
-    import kvstore
-    from kvstore import native
-
     if o.threads is not None:
         import torch
 
         torch.set_num_threads(o.threads)
     timer = Timer()
-    if dtype in (None, "bfloat16") and o.device == "cpu" and native.will_build():
+    if dtype in (None, "bfloat16") and o.device == "cpu" and kvstore.native_will_build():
         note("compiling kvstore's bfloat16 kernels, once for this machine (about 10 s)")
     model = kvstore.load_model(spec, dtype=dtype, device=o.device, home=home)
     o.stat(f"model: {model.source} ({model.dtype_name}, {o.device}) loaded in {timer.elapsed:.1f} s")
     return model
 
 
-def probe_lock(store, info) -> None:
-    """Fail at once, before loading a model, when another process is writing the session."""
-    from kvstore.locking import SessionLock
-
-    SessionLock(store.session_dir(info.id), info.name).acquire().release()
+def first_turn_tokens(model, text: str, system: str | None, raw: bool) -> int:
+    """How many tokens the first input of a new session takes (raw text, or a chat turn)."""
+    if raw:
+        return len(model.tokenizer.encode(text))
+    turn = [{"role": "system", "content": system}] if system is not None else []
+    return len(model.tokenizer.apply_chat_template(turn + [{"role": "user", "content": text.strip()}]))
 
 
 def run_turn(s, text: str | None, o: Options, stops: "Stops") -> None:
     if text is None and s.active_call:
-        if o.sampling or o.max_new_tokens != DEFAULT_MAX_NEW_TOKENS:
+        if o.sampling or o.max_new_tokens != kvstore.DEFAULT_MAX_NEW_TOKENS:
             note("finishing the interrupted generation with its own settings; sampling options are ignored")
         pieces = s.resume(trace=o.trace)
     elif text is None:
@@ -208,7 +203,7 @@ def run_turn(s, text: str | None, o: Options, stops: "Stops") -> None:
         pieces = decode(s, s.generate(o.max_new_tokens, trace=o.trace, **o.sampling), stops)
     elif o.raw:
         timer = Timer()
-        with prefill_bar(s.seq.cache.length, on_chunk=stops.check) as bar:
+        with prefill_bar(s.n_cached, on_chunk=stops.check) as bar:
             added = s.append_text(text, progress=bar)
         o.stat(f"prefill: {added:,} tokens in {timer.elapsed:.2f} s ({rate(added, timer.elapsed)})")
         pieces = decode(s, s.generate(o.max_new_tokens, trace=o.trace, **o.sampling), stops)
@@ -253,16 +248,13 @@ class Meter:
 
 def decode(s, ids: Iterator[int], stops: "Stops") -> Iterator[str]:
     """Text pieces of generated ids (raw generation), checking for a stop after every token."""
-    from kvstore.tokenizer import StreamDecoder
-
-    decoder = StreamDecoder(s.model.tokenizer)
-    try:
+    def checked() -> Iterator[int]:
         for token in ids:
-            if piece := decoder.push(token):
-                yield piece
+            yield token
             stops.check()
-        if tail := decoder.flush():
-            yield tail
+
+    try:
+        yield from s.text(checked())
     finally:
         ids.close()
 
@@ -272,12 +264,10 @@ def stopped(store, name: str, e: BaseException) -> None:
     if isinstance(e, BrokenPipeError):
         quiet_stdout()
         raise click.exceptions.Exit(128 + signal.SIGPIPE)
-    from kvstore.errors import KvstoreError
-
     code = 128 + (e.signum if isinstance(e, Stopped) else signal.SIGINT)
     try:
         info = store.info(name)
-    except KvstoreError:  # stopped before the session was created
+    except kvstore.errors.KvstoreError:  # stopped before the session was created
         note("stopped")
         raise click.exceptions.Exit(code) from None
     what = "a reply is unfinished: `kvstore continue {0}` finishes it" if info.active_call else \

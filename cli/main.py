@@ -10,6 +10,8 @@ from pathlib import Path
 
 import click
 
+import kvstore
+
 from . import generation, manage
 
 EXIT_ERROR = 1  # a library error (unknown session, busy, wrong model, corrupt data, ...)
@@ -27,9 +29,9 @@ class App:
     @property
     def store(self):
         if self._store is None:
-            from kvstore.store import open_store
+            import kvstore
 
-            self._store = open_store(self.home, url=self.index)
+            self._store = kvstore.open_store(self.home, url=self.index)
         return self._store
 
     def close(self) -> None:
@@ -83,12 +85,10 @@ def cli(ctx: click.Context, home: Path | None, index: str | None):
 
 
 @cli.command()
-@click.argument("model", default="smollm2")
+@click.argument("model", default=kvstore.DEFAULT_MODEL)
 @click.pass_obj
 def pull(app: App, model: str):
     """Download a default model (hashes checked); print its path."""
-    import kvstore
-
     click.echo(str(kvstore.pull(model, home=app.home)))
 
 

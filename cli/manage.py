@@ -53,46 +53,13 @@ def show(app, session: str, as_json: bool):
 @click.pass_obj
 def history(app, session: str, as_json: bool):
     """Print the text of a session: its chat turns and any raw text."""
-    entries = history_entries(app.store, session)
+    entries = app.store.history(session)
     if as_json:
         echo_json(entries)
         return
     for e in entries:
         click.echo(f"--- {e['role']} (tokens {e['token_start']:,}-{e['token_end']:,})")
         click.echo(e["text"])
-
-
-def history_entries(store, session: str) -> list[dict]:
-    """Chat messages in order, with the spans no message covers (raw text) decoded as role 'text'."""
-    messages = [{"role": m.role, "text": m.text, "token_start": m.token_start, "token_end": m.token_end}
-                for m in store.messages(session)]
-    tokens = store.tokens(session)
-    covered = sorted((m["token_start"], m["token_end"]) for m in messages if m["token_end"] > m["token_start"])
-    gaps, at = [], 0
-    for a, b in covered + [(len(tokens), len(tokens))]:
-        if a > at:
-            gaps.append((at, a))
-        at = max(at, b)
-    if not gaps:
-        return messages
-    tokenizer = load_tokenizer(store.info(session).model_source)
-    raw = [{"role": "text", "text": tokenizer.decode(tokens[a:b], skip_special=True), "token_start": a,
-            "token_end": b} for a, b in gaps]
-    return sorted(messages + raw, key=lambda e: (e["token_start"], e["token_end"]))
-
-
-def load_tokenizer(source: str):
-    """The tokenizer of a model file or folder, without reading its weights."""
-    from kvstore import tokenizer
-    from kvstore.errors import ModelError
-    from kvstore.weights import gguf_metadata, open_gguf
-
-    path = Path(source)
-    if path.is_dir():
-        return tokenizer.from_hf_folder(path)
-    if path.is_file():
-        return tokenizer.from_gguf(gguf_metadata(open_gguf(path)))
-    raise ModelError(f"{source}: the session's model is not there any more; its raw text cannot be decoded")
 
 
 @click.command()

@@ -39,7 +39,7 @@ def main() -> None:
 
 
 def run(args, home: str) -> None:
-    model = kvstore.load_model(args.model, home=None if args.model == "smollm2" else home)
+    model = kvstore.load_model(args.model)
     ids = model.tokenizer.encode(document(args.tokens * 6))[:args.tokens]
     text = model.tokenizer.decode(ids)
     questions = args.question or QUESTIONS

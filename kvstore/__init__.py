@@ -1,17 +1,35 @@
 """kvstore: persistent, resumable LLM generation sessions.
 
-Public surface: `load_model`, `pull`, `open_store`, the `errors` module, and the engine pieces
-(`Sequence`, `SamplerSettings`, `KVCache`) for those who drive generation themselves.
-Names are imported on first use, so a command that only reads the index never loads torch.
+The public API, everything the front ends (`kvstore_cli`, the coming service) use:
+
+- `open_store(home=None, url=None) -> Store` (`new`, `open` -> `Session`; list, info, history,
+  fork, delete, export, import_, pack, verify, gc), `SessionInfo`;
+- `load_model(spec) -> Model`, `load_tokenizer(spec)`, `pull(alias)`, `models_dir()`;
+- the engine pieces for those who drive generation themselves: `Sequence`, `TokenEvent`,
+  `SamplerSettings`, `KVCache`, `StreamDecoder`;
+- the defaults: DEFAULT_MODEL, DEFAULT_DTYPE, DTYPE_NAMES, DEFAULT_CHUNK, DEFAULT_MAX_NEW_TOKENS,
+  DEFAULT_CHECKPOINT_EVERY;
+- `errors` (every error derives from `errors.KvstoreError`), `native_will_build()`.
+
+Names are imported on first use, so a command that only reads the index never loads torch. The
+layers under it (engine -> store -> session -> this API) import one way only: pyproject.toml's
+import-linter contracts check it.
 """
 
 from importlib import import_module
 
 from . import errors
-from .pull import pull  # eager: the function shares its module's name (and needs no torch)
+from .engine.pull import pull  # eager: the function shares its module's name (and needs no torch)
 
-_WHERE = {"KVCache": "cache", "Sequence": "generate", "TokenEvent": "generate", "Model": "model",
-          "load_model": "model", "SamplerSettings": "sampling", "Store": "store", "open_store": "store"}
+_WHERE = {
+    "Store": "api", "open_store": "api", "Session": "session", "SessionInfo": "store.store",
+    "load_model": "engine.model", "load_tokenizer": "engine.model", "Model": "engine.model",
+    "models_dir": "engine.pull", "KVCache": "engine.cache", "Sequence": "engine.sequence",
+    "TokenEvent": "engine.sequence", "SamplerSettings": "engine.settings", "StreamDecoder": "engine.tokenizer",
+    "native_will_build": "engine.native",
+    **{name: "defaults" for name in ("DEFAULT_MODEL", "DEFAULT_DTYPE", "DTYPE_NAMES", "DEFAULT_CHUNK",
+                                     "DEFAULT_MAX_NEW_TOKENS", "DEFAULT_CHECKPOINT_EVERY")},
+}
 
 __all__ = ["errors", "pull", *_WHERE]
 __version__ = "0.1.0"

@@ -34,6 +34,17 @@ class PullError(KvstoreError):
     """Fetching the default model failed (network, hash mismatch)."""
 
 
+class BuildError(KvstoreError):
+    """The native kernels could not be built or loaded; the message says why and what to do. The
+    model then runs on torch's kernels (`kvstore.engine.native` warns once)."""
+
+
+# -- arguments ---------------------------------------------------------------------------------
+class InvalidArgument(KvstoreError, ValueError):
+    """A value given to the library is out of its range (a chunk size of 0, a fork past the end, a
+    negative token count). Also a ValueError, so callers that caught that before still do."""
+
+
 # -- sessions and the store --------------------------------------------------------------------
 class SessionNotFound(KvstoreError):
     """No session of that name."""

@@ -1,12 +1,20 @@
-"""The store's one I/O seam: every file operation it performs goes through `io` here.
+"""Files that must survive a crash, for every layer: the store's I/O seam and the one atomic write.
 
-`io` forwards to a backend, plain POSIX calls (`PosixIO`) unless a test swaps in another with
-`use(backend)`: the fault-injecting layer in `tests/faults.py` counts the operations, drops or
-garbles unsynced writes, undoes unsynced directory changes and fails the Nth call with ENOSPC or
-EIO. So everything the store does to files is here: create, reserve, write, read, fsync (files and
-directories), truncate, rename, unlink, list, stat, remove a tree, and the writer lock. ENOSPC
-from any of the writing calls becomes `StoreFull` (`reraise_full`), so a full disk is an
-exception and never a SIGBUS (space is reserved before bytes are written).
+- `io`: every file operation the store performs goes through it. It forwards to a backend, plain
+  POSIX calls (`PosixIO`) unless a test swaps in another with `use(backend)`: the fault-injecting
+  layer in `tests/faults.py` counts the operations, drops or garbles unsynced writes, undoes
+  unsynced directory changes and fails the Nth call with ENOSPC or EIO. So everything the store
+  does to files is here: create, reserve, write, read, fsync (files and directories), truncate,
+  rename, unlink, list, stat, remove a tree, and the writer lock. ENOSPC from any of the writing
+  calls becomes `StoreFull` (`reraise_full`), so a full disk is an exception and never a SIGBUS
+  (space is reserved before bytes are written).
+- `atomic_write(path)`: a new file all or nothing (temp file beside it, fsync, rename, fsync of
+  the folder). Everything that writes a file whole uses it: the store's small files and blobs
+  (`write_durable`), archives, and the engine's pulled models, converted weights, fingerprint
+  cache and native library, which pass `ops=PLAIN` (their files are not the store's, and the fault
+  tests count the store's operations only).
+
+This module sits below the engine and the store: it imports nothing of kvstore but its errors.
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ import errno
 import fcntl
 import os
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
@@ -175,6 +184,7 @@ class Seam:
 
 
 io = Seam(PosixIO())
+PLAIN = PosixIO()  # plain calls, never swapped: for files that are not the store's
 
 
 @contextmanager
@@ -208,15 +218,15 @@ def make_dir(path: Path) -> None:
         io.fsync_dir(path.parent)
 
 
-def temp_in_use(path: Path) -> bool:
+def temp_in_use(path: Path, ops=io) -> bool:
     """Is a writer still writing this temp file (it holds the file's flock)?"""
     try:
-        fd = io.lock(path)
+        fd = ops.lock(path)
     except BlockingIOError:
         return True
     except FileNotFoundError:  # renamed into place or removed meanwhile
         return True
-    io.unlock(fd)
+    ops.unlock(fd)
     return False
 
 
@@ -228,27 +238,87 @@ def reraise_full(e: OSError, what: str) -> None:
     raise e
 
 
-def write_durable(path: Path, data: bytes) -> None:
-    """Write a new file via a temp name, fsync it, rename it into place, fsync the directory.
+class FolderNotSynced(OSError):
+    """`atomic_write` put the file in place, but the folder's fsync failed: a power loss could undo it."""
 
-    The temp file is flocked while it is written, so `temp_in_use` can tell a live writer's from
-    one a crash left behind (a pid in the name cannot: pids are reused, after a reboot above all).
-    """
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+
+@dataclass
+class Temp:
+    """The file `atomic_write` yields: fill it through `fd` (open for reading and writing, flocked)
+    or by its `path`."""
+    path: Path
+    fd: int
+
+
+def temp_path(path: Path) -> Path:
+    """Where `atomic_write` writes `path` first: `.NAME.PID.tmp` beside it."""
+    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
+
+
+def is_temp_of(candidate: Path, name: str) -> bool:
+    """Is `candidate` an `atomic_write` temp file of a file called `name` (any writer's)?"""
+    head, dot, pid = candidate.name.removesuffix(".tmp").rpartition(".")
+    return candidate.name.endswith(".tmp") and dot == "." and pid.isdigit() and head == f".{name}"
+
+
+@contextmanager
+def atomic_write(path: Path, *, ops=io, clean: bool = False, sync_by_path: bool = False) -> Iterator[Temp]:
+    """Write `path` all or nothing: yields a `Temp` beside it to fill; on a clean exit the temp file
+    is fsynced, renamed over `path` and the folder fsynced. On any error (also one from the body)
+    the temp file is removed, `path` is left as it was, and the error propagates; only a failed sync
+    of the folder after the rename comes as an OSError naming `path` that says so.
+
+    The temp file is flocked while it is written, so `temp_in_use` can tell a live writer's from one
+    a crash left behind (a pid in the name cannot: pids are reused, after a reboot above all);
+    `clean` removes those left behind for `path` first. `sync_by_path`: the body may replace the
+    file under its name (a linker does), so it is fsynced by name, not through `fd`. `ops`: the
+    store's seam (`io`, the default) or `PLAIN`."""
+    folder = path.parent
+    tmp = temp_path(path)
+    if clean:
+        for candidate in ops.listdir(folder):
+            if is_temp_of(candidate, path.name) and candidate != tmp and not temp_in_use(candidate, ops):
+                ops.unlink(candidate)
     try:
-        fd = io.lock(tmp)
+        fd = ops.lock(tmp)
+    except BaseException:
+        ops.unlink(tmp)
+        raise
+    try:
+        ops.truncate(fd, 0)
+        yield Temp(tmp, fd)
+        if sync_by_path:
+            synced = ops.open_read(tmp)
+            try:
+                ops.fsync(synced)
+            finally:
+                ops.close(synced)
+        else:
+            ops.fsync(fd)
+    except BaseException:
         try:
-            io.truncate(fd, 0)
-            io.allocate(fd, 0, len(data))
-            io.pwrite(fd, data, 0)
-            io.fsync(fd)
+            ops.unlock(fd)
         finally:
-            io.unlock(fd)
-        io.rename(tmp, path)
-        io.fsync_dir(path.parent)
+            ops.unlink(tmp)
+        raise
+    ops.unlock(fd)
+    try:
+        ops.rename(tmp, path)
+    except BaseException:
+        ops.unlink(tmp)
+        raise
+    try:
+        ops.fsync_dir(folder)
     except OSError as e:
-        try:
-            io.unlink(tmp)
-        except OSError:
-            pass
+        raise FolderNotSynced(e.errno, f"{path.name} was written, but syncing its folder failed ({e.strerror}): a "
+                              "power loss could still undo it; write it again to be sure", str(path)) from e
+
+
+def write_durable(path: Path, data: bytes) -> None:
+    """A new file through the seam (`atomic_write`), its space reserved first: ENOSPC is StoreFull."""
+    try:
+        with atomic_write(path) as temp:
+            io.allocate(temp.fd, 0, len(data))
+            io.pwrite(temp.fd, data, 0)
+    except OSError as e:
         reraise_full(e, f"writing {path.name}")

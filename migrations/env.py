@@ -8,7 +8,7 @@ connection in `config.attributes["connection"]`; the `alembic` command line work
 from alembic import context
 from sqlalchemy import create_engine
 
-from kvstore.index import Base, database_url
+from kvstore.store.index import Base, database_url
 
 target_metadata = Base.metadata
 

@@ -18,4 +18,7 @@ if ! command -v initdb >/dev/null && ! ls /usr/lib/postgresql/*/bin/initdb >/dev
     { apt-get install -y -q postgresql || { apt-get update -q && apt-get install -y -q postgresql; }; } >/dev/null 2>&1 \
         || echo "PostgreSQL could not be installed: its tests will be skipped"
 fi
+# The real model is pulled into the user's own models folder, once per machine, not once per run
+# (tests/conftest.py); everything else a test writes stays in temporary folders.
+export KVSTORE_TEST_MODELS="${KVSTORE_TEST_MODELS:-${KVSTORE_MODELS:-${XDG_CACHE_HOME:-$HOME/.cache}/kvstore/models}}"
 exec "$VENV/bin/python" -m pytest "$@"

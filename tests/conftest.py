@@ -1,15 +1,19 @@
 """Shared fixtures: a private kvstore home per test, tiny random models, the real SmolLM2 GGUF, a
 PostgreSQL server for the index tests on that database.
 
-Tiny models are built once per test session, on first use (see `engine_models.py`). The real model
-is pulled once per session into a temporary home, unless $KVSTORE_TEST_HOME names a home that has
-it already; transformers' reference of it is loaded once per session too.
+Tiny models are built once per test session, on first use (see `engine_models.py`). The per-user
+models folder ($KVSTORE_MODELS: pulled models, converted weights, file hashes) is one temporary
+folder for the whole session. The real model is pulled once into $KVSTORE_TEST_MODELS when that
+names a folder (scripts/test.sh points it at the user's own models folder, so a machine downloads
+it once), else into the session's folder; transformers' reference of it is loaded once per session.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -22,12 +26,21 @@ import engine_models  # noqa: E402
 import kvstore  # noqa: E402
 import pg_server  # noqa: E402
 
-TEST_HOME_ENV = "KVSTORE_TEST_HOME"
+TEST_MODELS_ENV = "KVSTORE_TEST_MODELS"  # where the real model is pulled (and found again)
+SESSION_MODELS = Path(tempfile.mkdtemp(prefix="kvstore-test-models-"))  # $KVSTORE_MODELS of every test
+
+
+def pytest_configure(config):
+    os.environ["KVSTORE_MODELS"] = str(SESSION_MODELS)
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(SESSION_MODELS, ignore_errors=True)
 
 
 def pytest_report_header(config):
     """Which kernels run bfloat16 models here (builds the native ones first, outside any test's time)."""
-    from kvstore import native
+    from kvstore.engine import native
 
     return f"kvstore bfloat16 kernels: {native.status()}"
 
@@ -45,6 +58,7 @@ def pytest_collection_modifyitems(config, items):
 def _private_home(tmp_path, monkeypatch):
     """Nothing a test does lands in the user's kvstore home or index database."""
     monkeypatch.setenv("KVSTORE_HOME", str(tmp_path / "kvstore-home"))
+    monkeypatch.setenv("KVSTORE_MODELS", str(SESSION_MODELS))
     monkeypatch.delenv("KVSTORE_INDEX", raising=False)
 
 
@@ -119,15 +133,18 @@ def tiny(tmp_path_factory, tiny_tokenizer):
 
 # -- the real model ------------------------------------------------------------------------------
 @pytest.fixture(scope="session")
-def smollm2_path(tmp_path_factory) -> Path:
-    import kvstore
-    from kvstore.paths import models_dir
-    from kvstore.pull import ALIASES
-
-    home = os.environ.get(TEST_HOME_ENV)
-    if home and (models_dir(home) / ALIASES["smollm2"].filename).exists():
-        return kvstore.pull("smollm2", home=home, quiet=True)
-    return kvstore.pull("smollm2", home=tmp_path_factory.mktemp("kvhome"), quiet=True)
+def smollm2_path() -> Path:
+    """The real model's GGUF: pulled into $KVSTORE_TEST_MODELS when set (found there next time), else
+    into the session's models folder."""
+    shared = os.environ.get(TEST_MODELS_ENV)
+    if not shared:
+        return kvstore.pull("smollm2", quiet=True)
+    before = os.environ["KVSTORE_MODELS"]
+    os.environ["KVSTORE_MODELS"] = shared
+    try:
+        return kvstore.pull("smollm2", quiet=True)
+    finally:
+        os.environ["KVSTORE_MODELS"] = before
 
 
 @pytest.fixture(scope="session")
@@ -135,7 +152,7 @@ def smollm2(smollm2_path):
     """Our SmolLM2, float32 (the reference comparisons need it)."""
     import kvstore
 
-    return kvstore.load_model(smollm2_path, dtype="float32", home=smollm2_path.parent.parent)
+    return kvstore.load_model(smollm2_path, dtype="float32")
 
 
 @pytest.fixture(scope="session")
@@ -158,9 +175,9 @@ def hf_smollm2(smollm2_path):
 
 @pytest.fixture(scope="module")
 def kit(tmp_path_factory, tiny):
-    """The crash-torture kit (tests/test_faults_kit.py) on the tiny GQA Llama, on one torch thread
+    """The crash-torture kit (tests/faults_kit.py) on the tiny GQA Llama, on one torch thread
     (deterministic and fast for its many short runs); one per test module."""
-    from test_faults_kit import Kit
+    from faults_kit import Kit
 
     before = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -73,7 +73,7 @@ class Server:
         """The URL of a new, empty database."""
         from sqlalchemy import create_engine, text
 
-        from kvstore.index import database_url
+        from kvstore.store.index import database_url
 
         name = "kv_" + uuid.uuid4().hex[:12]
         admin = create_engine(database_url(self.url()), isolation_level="AUTOCOMMIT")

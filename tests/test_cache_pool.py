@@ -1,4 +1,4 @@
-"""The memory pools (kvstore.buffers.BufferPool; the caches' kvstore.cache.POOL): a closed session's or sequence's cache memory goes to the
+"""The memory pools (kvstore.engine.buffers.BufferPool; the caches' kvstore.engine.cache.POOL): a closed session's or sequence's cache memory goes to the
 next cache of the process, best fit, within the pool's limit; what that memory held before never
 shows in a later cache (contract C1 over reused memory is in test_store_resume.py)."""
 
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import kvstore
-from kvstore.buffers import BufferPool
-from kvstore.cache import KVCache, POOL
+from kvstore.engine.buffers import BufferPool
+from kvstore.engine.cache import KVCache, POOL
 
 
 @pytest.fixture(autouse=True)
@@ -46,8 +46,8 @@ def test_the_pool_hands_out_the_smallest_buffer_that_fits_and_keeps_within_its_l
 
 def test_a_released_cache_gives_its_memory_to_the_next_one():
     cache = KVCache(3, 2, 8, dtype=torch.bfloat16, capacity=300)
-    cache.layers[0][:10] = 1
-    cache.advance(10)
+    with cache.filling(10) as rows:
+        rows[0][:] = 1
     used = {t.untyped_storage().data_ptr() for t in cache.layers}
     cache.release()
     assert cache.length == 0 and cache.capacity == 0 and POOL.held >= 3 * 300 * 2 * 2 * 8 * 2
@@ -60,8 +60,8 @@ def test_growing_a_cache_keeps_its_tokens_and_pools_the_old_memory():
     cache = KVCache(2, 1, 4, dtype=torch.float32, capacity=256)
     rows = torch.randn(200, 2, 1, 4)
     for layer in range(2):
-        cache.write(layer, 0, rows)
-    cache.advance(200)
+        cache.write(layer, 0, rows)  # the last layer's write makes the positions valid
+    assert cache.length == 200
     cache.reserve(600)
     assert cache.capacity >= 600 and all(torch.equal(s, rows) for s in cache.state())
     assert buffers(POOL) == [256 * 2 * 4 * 4] * 2

@@ -100,6 +100,31 @@ def test_new_records_checkpoint_every_and_writes_a_trace(model_dir, tmp_path):
     assert info("t")["checkpoints"] >= 1 + 10 // 3
 
 
+def test_continue_checkpoint_every_is_saved_like_the_sampling_overrides(model_dir):
+    """`continue --checkpoint-every N` applies to this run and stays the session's setting, as
+    `--temperature` does; a later `continue` without it keeps N."""
+    make("ce", model_dir, n=2)
+    assert info("ce")["checkpoint_every"] == kvstore.DEFAULT_CHECKPOINT_EVERY
+    kv("continue", "ce", "-n", "9", "--checkpoint-every", "3", "--temperature", "0.5")
+    i = info("ce")
+    assert i["checkpoint_every"] == 3 and i["sampler"]["temperature"] == 0.5
+    before = i["checkpoints"]
+    kv("continue", "ce", "-n", "9")
+    after = info("ce")
+    assert after["checkpoint_every"] == 3 and after["checkpoints"] - before >= 9 // 3
+
+
+@pytest.mark.parametrize("raw", [True, False])
+def test_new_with_an_input_longer_than_the_context_creates_nothing(model_dir, tmp_path, raw):
+    """The tiny model's context is 256 tokens: a longer input is refused before a session exists."""
+    big = tmp_path / "big.txt"
+    big.write_text("The quick brown fox jumps over the lazy dog. " * 200)
+    message = error("new", "big", "--model", model_dir, "--file", str(big), *(["--raw"] if raw else []))
+    assert "exceed the model's context of 256" in message and "start a new session with less text" in message
+    assert store().names() == []
+    make("big", model_dir)  # the name is still free
+
+
 def test_new_reads_in_chunks_of_the_chosen_size(model_dir):
     text = "The quick brown fox jumps over the lazy dog. " * 4
     kv("new", "chunked", "--model", model_dir, "--raw", "-p", text, "-n", "0", "--chunk-size", "8")
@@ -119,7 +144,7 @@ def test_verbose_timings_go_to_stderr_only(model_dir):
 
 
 def test_a_first_build_of_the_decode_kernel_is_announced(model_dir, monkeypatch):
-    from kvstore import native
+    from kvstore.engine import native
 
     monkeypatch.setattr(native, "will_build", lambda: True)
     r = make("k", model_dir)

@@ -9,7 +9,7 @@ import pytest
 import torch
 import zstandard
 
-from kvstore import codec
+from kvstore.store import codec
 from kvstore.errors import CorruptData
 
 TOKENS, ROW = 37, (2, 3, 8)  # token rows of [K/V, heads, head_dim]

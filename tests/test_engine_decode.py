@@ -14,7 +14,7 @@ from torch.testing import assert_close
 
 import kvstore
 from kvstore import KVCache, SamplerSettings, Sequence
-from kvstore.generate import chunk_bounds
+from kvstore.engine.sequence import chunk_bounds
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 ARCHS = ["llama-gqa", "qwen2-bias", "llama3-rope", "linear-rope", "gpt2"]
@@ -86,7 +86,7 @@ def test_sequence_prefill_feeds_every_token_and_keeps_the_last_ones_state(loaded
 def test_logits_from_a_stored_state_are_the_forwards_bit_for_bit(loaded, tiny, name, dtype, T):
     """The state goes to the index as bytes and comes back in other memory: `head` of it gives the
     bits the live forward gave."""
-    from kvstore.session import hidden_bytes
+    from kvstore.commit import hidden_bytes
 
     model = loaded(name, dtype)
     ids = tiny(name).ids(16 + T)

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from engine_models import llama_cpp_permute
-from kvstore.weights import dequantize_gguf, open_gguf, unpermute_rows
+from kvstore.engine.models.llama import unpermute_rows
+from kvstore.engine.weights import dequantize_gguf, open_gguf
 
 Q = gguf.GGMLQuantizationType
 K_QUANTS = [Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K]

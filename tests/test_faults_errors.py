@@ -12,12 +12,12 @@ import pytest
 from sqlalchemy import select
 
 import kvstore
-import test_faults_kit as torture
+import faults_kit as torture
 from faults import SPACE, FaultyIO
 from kvstore import fileio
 from kvstore.errors import StoreFull
-from kvstore.index import SegmentRow, SessionRow
-from test_faults_kit import N_MORE, SETTINGS
+from kvstore.store.index import SegmentRow, SessionRow
+from faults_kit import N_MORE, SETTINGS
 
 
 def start(kit, root, first: bool):

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import kvstore
-from kvstore.archive import HEADER, read_manifest
+from kvstore.store.archive import HEADER, read_manifest
 from kvstore.errors import CorruptData, KvstoreError, StoreMissing
 
 SECTOR, PAGE = 512, mmap.PAGESIZE

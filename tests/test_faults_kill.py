@@ -13,9 +13,9 @@ import torch
 
 import kvstore
 import store_harness as H
-import test_faults_kit as torture
+import faults_kit as torture
 from kvstore.errors import KvstoreError, StoreMissing
-from test_faults_kit import SETTINGS, VERBS
+from faults_kit import SETTINGS, VERBS
 
 
 def sample(n_ops: int) -> list[int]:

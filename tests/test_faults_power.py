@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from test_faults_kit import VERBS
+from faults_kit import VERBS
 
 DATA = ("keep", "drop", "garble")
 DIRS = ("undo", "keep")

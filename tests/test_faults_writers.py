@@ -13,7 +13,7 @@ import torch
 from sqlalchemy import event
 
 import kvstore
-import test_faults_kit as torture
+import faults_kit as torture
 from faults import FaultyIO
 from kvstore import fileio
 from kvstore.errors import IndexBusy

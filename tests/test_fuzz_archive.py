@@ -20,9 +20,9 @@ from sqlalchemy import delete as sql_delete
 from sqlalchemy import event
 
 import kvstore
-from kvstore.archive import HEADER, MAGIC
+from kvstore.store.archive import HEADER, MAGIC
 from kvstore.errors import KvstoreError
-from kvstore.index import ModelRow
+from kvstore.store.index import ModelRow
 
 FUZZ = settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 FUZZ_MORE = settings(max_examples=1500, deadline=None, suppress_health_check=list(HealthCheck))

@@ -9,7 +9,7 @@ from alembic.runtime.migration import MigrationContext
 from sqlalchemy import text
 
 import kvstore
-from kvstore import index
+from kvstore.store import index
 from kvstore.errors import UnsupportedFormat
 
 

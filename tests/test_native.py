@@ -29,9 +29,9 @@ import torch
 from torch.testing import assert_close
 
 import kvstore
-from kvstore import native
-from kvstore import ops
-from kvstore.native import build
+from kvstore.engine import native
+from kvstore.engine import ops
+from kvstore.engine.native import build
 
 needs_native = pytest.mark.skipif(native.kernels() is None, reason=f"this process uses {native.status()}")
 TORCH_ONLY = (None, "torch's kernels (test)")
@@ -300,7 +300,7 @@ def test_a_killed_build_leaves_no_library_and_the_next_one_builds(tmp_path, cach
     monkeypatch.setenv("CXX", str(compiler))
     src = toy_source(tmp_path)
     started = tmp_path / "started"
-    code = f"from pathlib import Path; from kvstore.native import build; build.library(Path({str(src)!r}))"
+    code = f"from pathlib import Path; from kvstore.engine.native import build; build.library(Path({str(src)!r}))"
     proc = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "TOY_HANG": str(started)},
                             start_new_session=True)
     try:
@@ -333,7 +333,7 @@ def test_a_waiting_build_takes_the_library_another_process_built(tmp_path, cache
     lib = build.library(src)
     lib.unlink()
     # another process holds the build lock and builds meanwhile: this one waits, then finds the file
-    code = ("import fcntl, os, sys, time; from pathlib import Path; from kvstore.native import build; "
+    code = ("import fcntl, os, sys, time; from pathlib import Path; from kvstore.engine.native import build; "
             "fd = os.open(sys.argv[1], os.O_RDWR); fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); "
             "time.sleep(0.5); build._compile(build.compile_command(Path(sys.argv[2])), Path(sys.argv[3]), "
             "Path(sys.argv[4]))")

@@ -10,7 +10,7 @@ import torch
 
 import kvstore
 import store_harness as H
-from kvstore.extents import kv_bytes, session_extents
+from kvstore.store.extents import kv_bytes, session_extents
 
 
 @pytest.fixture
@@ -91,7 +91,7 @@ def test_export_holds_one_extent_at_a_time(store, model_path, tmp_path):
 
 def test_an_archive_leaves_room_for_its_manifest_and_imports_after_a_round_trip(store, model, tmp_path):
     """The manifest is written last, into room reserved for its widest form; the rest is spaces."""
-    from kvstore import archive
+    from kvstore.store import archive
 
     document(store, model)
     summary = store.export("doc", tmp_path / "doc.kvs")

@@ -141,7 +141,7 @@ def test_32_greedy_tokens_equal_transformers_generate(smollm2, hf_smollm2):
 def test_bfloat16_prefers_the_same_tokens_as_float32(smollm2, smollm2_path):
     import kvstore
 
-    bf16 = kvstore.load_model(smollm2_path, home=smollm2_path.parent.parent)
+    bf16 = kvstore.load_model(smollm2_path)
     assert bf16.dtype == torch.bfloat16
     ids = prompt_ids(bf16.tokenizer, 64)
     agree = (bf16.logits(ids).argmax(-1) == smollm2.logits(ids).argmax(-1)).float().mean()

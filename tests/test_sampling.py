@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvstore.errors import KvstoreError
-from kvstore.sampling import (SamplerSettings, apply_repetition_penalty, draw, min_p_mask, probabilities, sample,
+from kvstore.engine.sampling import (SamplerSettings, apply_repetition_penalty, draw, min_p_mask, probabilities, sample,
                               top_k_mask, top_p_mask, uniform)
 
 WARM = SamplerSettings(temperature=1.0)

@@ -26,9 +26,9 @@ import pytest
 import torch
 
 import kvstore
-import test_faults_kit as torture
+import faults_kit as torture
 from kvstore.errors import KvstoreError
-from test_faults_kit import VERBS, Corrupt, Lost
+from faults_kit import VERBS, Corrupt, Lost
 
 KILLS = int(os.environ.get("KVSTORE_SOAK_KILLS", 1000))
 POWER_LOSSES = int(os.environ.get("KVSTORE_SOAK_POWER_LOSSES", 1000))

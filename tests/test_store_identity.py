@@ -12,9 +12,9 @@ from sqlalchemy import select
 
 import kvstore
 import store_harness as H
-from kvstore import index
+from kvstore.store import index
 from kvstore.errors import StoreMismatch
-from kvstore.identity import MARKER
+from kvstore.store.identity import MARKER
 
 
 def index_id(store) -> str:

@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 
 import kvstore
 import store_harness as H
-from kvstore.archive import HEADER, MAGIC
+from kvstore.store.archive import HEADER, MAGIC
 from kvstore.errors import (CorruptData, InvalidName, ModelMismatch, SessionBusy, SessionNotFound, StoreMissing,
                             UnsupportedFormat)
 
@@ -312,7 +312,7 @@ def test_an_archive_with_a_forged_last_token_state_is_refused(prefilled, model, 
 def test_a_lost_last_token_state_is_corrupt_data_on_open_and_in_verify(prefilled, model):
     from sqlalchemy import update
 
-    from kvstore.index import SessionRow
+    from kvstore.store.index import SessionRow
 
     with prefilled.db() as db, db.begin():
         db.execute(update(SessionRow).values(last_hidden=None))
@@ -345,3 +345,27 @@ def test_archive_magic_version_and_damage(saved, tmp_path):
     with pytest.raises(CorruptData):
         other.import_(tmp_path / "short.kvs")
     assert other.names() == []
+
+
+@pytest.mark.parametrize("damage", ["gap", "overlap"])
+def test_token_blocks_that_do_not_tile_are_corrupt_data_on_open_and_in_verify(saved, model, damage):
+    """The index's token blocks must follow each other exactly (a check that holds under python -O
+    too: it is not an assert); the session then opens nowhere and verify says why."""
+    from sqlalchemy import select, update
+
+    from kvstore.store.index import TokenBlockRow
+
+    sid = saved.info("s").id
+    with saved.db() as db, db.begin():
+        last = db.scalars(select(TokenBlockRow).where(TokenBlockRow.session_id == sid)
+                          .order_by(TokenBlockRow.start.desc())).first()
+        moved = last.start + 3 if damage == "gap" else last.start - 1
+        db.execute(update(TokenBlockRow).where(TokenBlockRow.session_id == sid, TokenBlockRow.start == last.start)
+                   .values(start=moved))
+    with pytest.raises(CorruptData, match=r"session 's': the token blocks are not contiguous"):
+        saved.open("s", model)
+    with pytest.raises(CorruptData, match="not contiguous"):
+        saved.tokens("s")
+    (problem,) = [p for p in saved.verify()["s"] if "contiguous" in p]
+    assert f"starts at position {moved}" in problem
+

@@ -22,9 +22,9 @@ from sqlalchemy import select
 
 import kvstore
 import store_harness as H
-from kvstore import index
+from kvstore.store import index
 from kvstore.errors import IndexBusy, IndexUnavailable, SessionBusy, StoreMismatch, StoreMissing
-from kvstore.identity import MARKER
+from kvstore.store.identity import MARKER
 from kvstore_cli.main import cli
 
 N_NEW = 24

@@ -53,7 +53,7 @@ def test_close_and_reopen_in_the_same_process(tmp_path, model, mode, reference):
 def test_resume_into_reused_memory_full_of_nans(tmp_path, model, mode, reference):
     """The restored cache's memory comes from a closed session (`cache.POOL`): whatever it held,
     here NaN in every byte, never reaches a logit."""
-    from kvstore.cache import POOL
+    from kvstore.engine.cache import POOL
 
     store, s = new_session(tmp_path / "home", model, mode)
     trace = tmp_path / "t.jsonl"

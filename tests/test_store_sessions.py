@@ -13,8 +13,9 @@ import torch
 
 import kvstore
 import store_harness as H
-from kvstore import blobs, index
-from kvstore.extents import read_layers, session_extents
+from kvstore.store import blobs
+from kvstore.store import index
+from kvstore.store.extents import read_layers, session_extents
 from kvstore.errors import IndexBusy, SessionBusy, SessionExists, SessionNotFound
 
 
@@ -69,8 +70,9 @@ def test_fork_at_a_position(store):
     store.fork("doc", "early", at=20)
     info = store.info("early")
     assert info.n_tokens == 20 and info.n_cached == 19 and info.fork_position == 20
-    with pytest.raises(ValueError):
+    with pytest.raises(kvstore.errors.InvalidArgument, match="between 1 and"):  # also a ValueError
         store.fork("doc", "bad", at=10_000)
+    assert "bad" not in store.names()
 
 
 def test_a_fork_at_the_head_takes_the_last_tokens_state_an_earlier_one_leaves_its_last_token_pending(tmp_path, model):
@@ -175,7 +177,7 @@ def test_a_session_deleted_while_it_is_exported_is_not_found_and_no_archive_is_w
 def test_a_fork_opened_while_its_parent_is_packed_elsewhere_loads_from_the_blobs(store, model, monkeypatch):
     """The parent's pack (another process: it takes the parent's lock, not the fork's) lands between
     the fork's open reading its extent list and reading the extents' raw files, which it frees."""
-    from kvstore import session as session_module
+    from kvstore.store import restore as session_module
 
     store.fork("doc", "child")
     with store.open("child", model) as c:
@@ -245,7 +247,7 @@ def test_a_blob_file_lost_since_its_commit_is_written_again_by_the_next_pack(tmp
 def test_gc_takes_no_lock_of_a_session_with_unpacked_kv(store, model, monkeypatch):
     """A gc looks at such sessions through the index only: it never holds their writer's lock, so
     it cannot make their writer's open or pack fail."""
-    from kvstore import locking
+    from kvstore.store import locking
 
     taken = []
     real = locking.SessionLock.acquire
@@ -256,7 +258,7 @@ def test_gc_takes_no_lock_of_a_session_with_unpacked_kv(store, model, monkeypatc
 
 
 def test_a_lock_freed_while_waiting_is_taken_and_one_kept_is_busy(tmp_path, monkeypatch):
-    from kvstore import locking
+    from kvstore.store import locking
 
     waiting = threading.Event()
 
@@ -336,3 +338,26 @@ def test_a_session_api_fork_continues_independently(store, model):
     assert store.info("doc").n_tokens == n_parent
     assert store.info("side").n_tokens == n_parent - 3 + 5
     assert store.verify() == {"doc": [], "side": []}
+
+
+def test_a_script_that_leaves_a_generation_unfinished_exits_cleanly(tmp_path, model_path):
+    """A script that stops reading `generate` and exits without closing: no noise at interpreter exit
+    (the session is checkpointed and unlocked before teardown, not by the generator's cleanup while
+    imports fail), and the session then holds the tokens taken and the unfinished call."""
+    import subprocess
+    import sys
+
+    home = tmp_path / "home"
+    script = (f"import kvstore\nstore = kvstore.open_store({str(home)!r})\n"
+              f"model = kvstore.load_model({model_path!r})\n"
+              "s = store.new('left', model, seed=3)\ns.append_text('Once upon a time the cache')\n"
+              "gen = s.generate(20, stop_at_eos=False)\nprint(next(gen), next(gen))\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    taken = [int(t) for t in done.stdout.split()]
+    store = kvstore.open_store(home)
+    info = store.info("left")
+    assert store.tokens("left")[-len(taken):] == taken and info.active_call is not None
+    with store.open("left", kvstore.load_model(model_path)) as s:  # not locked any more
+        list(s.resume())
+        assert len(s.tokens) == info.active_call["start"] + 20

@@ -13,7 +13,7 @@ from transformers import PreTrainedTokenizerFast
 import kvstore
 from engine_models import BOS, CHATML, EOS, SAMPLE_TEXT, SPECIAL_TOKENS, Q
 from kvstore.errors import ModelError
-from kvstore.tokenizer import StreamDecoder, Tokenizer
+from kvstore.engine.tokenizer import StreamDecoder, Tokenizer
 
 TEXTS = [
     SAMPLE_TEXT,

@@ -1,0 +1,111 @@
+"""The checkpoint protocol (contracts C2, C4, C5): what one checkpoint commits, and in what order.
+
+A writer keeps the `Head` it last committed; a checkpoint hands `commit` the `Change` since then:
+the token ids, the KV rows computed since (positions head.n_cached..n_cached), the last token's
+final hidden state when every token is fed (else the last token is pending: C2), the chat messages
+that changed, the generation in progress and the sampler settings. Then, in one index transaction:
+
+1. the head moves with a compare-and-set on (session id, head seq): a second writer (one without
+   the flock, say on shared storage) fails here, before writing a byte, so it can never overwrite
+   an extent the winner committed (C7);
+2. the new KV is appended to the session's own per-layer files, page-aligned after the committed
+   end (C5), and fsynced with the folder when files were created (`segments.append`), while the
+   transaction holds the index's write lock;
+3. the rows that point at it: the checkpoint, the extent and its place in the session, the new
+   token ids, the messages;
+4. commit, after the fsyncs (C4): a crash at any instant leaves the old head or the new one.
+
+The statements are built once with bound parameters: this runs at every checkpoint of a decode,
+where the ORM's unit of work, or building statements anew, cost more than the SQL.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+from sqlalchemy import bindparam, delete, insert, update
+
+from .errors import SessionBusy
+from .store import segments
+from .store.index import (CheckpointRow, ExtentRow, MessageRow, SegmentRow, SessionExtentRow, SessionRow,
+                          TokenBlockRow, store_full_on_disk_full, utcnow)
+from .store.records import encode_tokens
+
+# The head moves with a compare-and-set on (id, head); `p_` names the WHERE parameters (a SET
+# column's own name is taken).
+_S = SessionRow.__table__
+HEAD_MOVES = update(_S).where(_S.c.id == bindparam("p_id"), _S.c.head == bindparam("p_head"))
+SEGMENT_GROWS = update(SegmentRow.__table__).where(SegmentRow.__table__.c.id == bindparam("p_id"))
+ADD_CHECKPOINT = insert(CheckpointRow.__table__)
+ADD_EXTENT = insert(ExtentRow.__table__).returning(ExtentRow.__table__.c.id)
+ADD_SESSION_EXTENT = insert(SessionExtentRow.__table__)
+ADD_TOKENS = insert(TokenBlockRow.__table__)
+
+
+@dataclass(frozen=True)
+class Head:
+    """The session's head as this writer last committed it (or found it when opening)."""
+    seq: int  # the head checkpoint's seq: what the compare-and-set expects
+    n_tokens: int
+    n_cached: int  # positions whose KV is on disk
+    committed_end: int  # bytes of each of the session's own layer files in use
+    names_synced: bool = False  # this writer has fsynced its segment's directory entries
+
+
+@dataclass
+class Change:
+    """What one checkpoint commits on top of a Head."""
+    reason: str  # recorded with the checkpoint: new, tokens, prefill, call, auto, end, fork, pack, close, ...
+    tokens: list[int]  # every token id; those past head.n_tokens are new
+    kv: list[torch.Tensor] | None  # per layer `[n_cached - head.n_cached, 2, n_kv, hd]`: the new KV rows
+    n_cached: int
+    hidden: bytes | None  # the last token's final state (`hidden_bytes`) when n_cached == len(tokens) > 0
+    active_call: dict[str, Any] | None
+    sampler: dict[str, Any]
+    checkpoint_every: int
+    messages: list[dict[str, Any]] = field(default_factory=list)  # the changed ones (MESSAGE_FIELDS)
+
+
+def commit(store, session_id: str, name: str, head: Head, change: Change) -> Head:
+    """Commit `change` (see the module's docstring); the new head. SessionBusy, with nothing
+    written, when another writer moved the head since `head`; StoreFull when the disk is full."""
+    n_tokens = len(change.tokens)
+    with store.db() as db, store_full_on_disk_full(f"checkpoint of {name!r}"), db.begin():
+        run = db.connection().execute
+        moved = run(HEAD_MOVES, {
+            "p_id": session_id, "p_head": head.seq, "head": head.seq + 1, "n_tokens": n_tokens,
+            "n_cached": change.n_cached, "active_call": change.active_call, "last_hidden": change.hidden,
+            "sampler": change.sampler, "checkpoint_every": change.checkpoint_every, "updated_at": utcnow()})
+        if moved.rowcount != 1:
+            raise SessionBusy(f"session {name!r} was changed or deleted by someone else since it was "
+                              "opened; nothing was committed. Open it again")
+        end, written = head.committed_end, None
+        if change.kv is not None:
+            layers = [t.to("cpu").contiguous() for t in change.kv]
+            written = segments.append(store.session_dir(session_id), head.committed_end, layers,
+                                      names_synced=head.names_synced)
+            end = written.end
+        run(ADD_CHECKPOINT, {"session_id": session_id, "seq": head.seq + 1, "n_tokens": n_tokens,
+                             "n_cached": change.n_cached, "reason": change.reason, "created_at": utcnow()})
+        if written is not None:
+            run(SEGMENT_GROWS, {"p_id": session_id, "committed_end": written.end})
+            extent_id = run(ADD_EXTENT, {"segment_id": session_id, "offset": written.offset,
+                                         "n_tokens": written.n_tokens, "checksums": written.checksums}).scalar_one()
+            run(ADD_SESSION_EXTENT, {"session_id": session_id, "start": head.n_cached, "extent_id": extent_id,
+                                     "n_tokens": change.n_cached - head.n_cached})
+        if n_tokens > head.n_tokens:
+            run(ADD_TOKENS, {"session_id": session_id, "start": head.n_tokens,
+                             "ids": encode_tokens(change.tokens[head.n_tokens:])})
+        for m in change.messages:
+            db.execute(delete(MessageRow).where(MessageRow.session_id == session_id,
+                                                MessageRow.ordinal == m["ordinal"]))
+            db.add(MessageRow(session_id=session_id, **m))
+    return replace(head, seq=head.seq + 1, n_tokens=n_tokens, n_cached=change.n_cached, committed_end=end,
+                   names_synced=head.names_synced or change.kv is not None)
+
+
+def hidden_bytes(hidden: torch.Tensor) -> bytes:
+    """A final hidden state `[hidden]` as the raw bytes the index keeps (`sessions.last_hidden`)."""
+    return hidden.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes()

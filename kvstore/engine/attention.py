@@ -1,0 +1,44 @@
+"""Attention over the KV cache, shared by every architecture: one mask builder, one `attend`.
+
+Queries arrive token-major (`[T, heads, head_dim]`) and keys and values as cache rows
+(`[T, 2 (K, V), kv_heads, head_dim]`), the layouts the projections produce and the cache stores.
+`attend` writes the rows into the cache (`KVCache.write`, the one write path) and runs
+`F.scaled_dot_product_attention` (grouped-query heads included) over positions 0..pos+T-1. The
+mask, and with it the kernel SDPA picks, depends on (pos, T) alone, built once per forward.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .cache import KVCache
+
+Mask = tuple["torch.Tensor | None", bool]  # (additive mask or None, is_causal)
+ONE_TOKEN: Mask = (None, False)  # a single query attends to every cached position: no mask
+
+
+def causal_mask(pos: int, T: int, dtype: torch.dtype, device) -> Mask:
+    """(additive mask, is_causal) for queries at pos..pos+T-1 over keys 0..pos+T-1.
+
+    A float mask (0 / -inf) goes straight into the attention kernel; a boolean one would be converted
+    again in every layer."""
+    if T == 1:
+        return ONE_TOKEN
+    if pos == 0:
+        return None, True
+    return torch.full((T, pos + T), float("-inf"), dtype=dtype, device=device).triu_(pos + 1), False
+
+
+def attend(q: torch.Tensor, kv: torch.Tensor, cache: KVCache | None, layer: int, pos: int, mask: Mask) -> torch.Tensor:
+    """q `[T, n_heads, hd]`, kv `[T, 2, n_kv_heads, hd]` (cache rows) -> attention output `[T, n_heads * hd]`."""
+    T, n_heads, hd = q.shape
+    if cache is not None:
+        k_all, v_all = cache.write(layer, pos, kv)  # [1, n_kv, pos+T, hd] each
+    else:
+        assert pos == 0, "without a cache, a forward starts at position 0"
+        k_all, v_all = kv.permute(1, 2, 0, 3).unbind(0)  # [n_kv, T, hd] each
+        k_all, v_all = k_all.unsqueeze(0), v_all.unsqueeze(0)
+    o = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k_all, v_all, attn_mask=mask[0],
+                                       is_causal=mask[1], enable_gqa=k_all.shape[1] != n_heads)
+    return o[0].transpose(0, 1).reshape(T, n_heads * hd)  # [1, n_heads, T, hd] -> [T, n_heads hd]

@@ -1,0 +1,145 @@
+"""KVCache: the per-layer key/value tensors of one sequence, the thing kvstore persists.
+
+Layout per layer, token-major: `[capacity, 2 (K, V), n_kv_heads, head_dim]` in the model's dtype on
+the model's device. Token-major makes a checkpoint's new range one contiguous block (exactly what
+`state()` returns and the store writes), and a slice `[:length]` has the same strides whatever the
+capacity, so attention reads identical views before and after a resume. Capacity grows in fixed
+steps; `length` counts the positions whose K/V are valid in every layer.
+
+On the CPU a cache's memory comes from, and goes back to, `POOL` (a `buffers.BufferPool`): memory
+written before fills several times faster than fresh pages. `release()` hands a cache's buffers to
+the next cache of the process (the next fork opened, the next question asked), much as llama.cpp
+restores into the KV buffer its context already holds.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+
+from ..errors import InvalidArgument
+from .buffers import BufferPool
+
+GROW_STEP = 256  # capacity is a multiple of this many tokens
+HEADROOM = 1024  # room a restored cache gets beyond its tokens: the next ones do not copy it all (see `with_room`)
+
+
+def with_room(n_tokens: int) -> int:
+    """The capacity for a cache rebuilt with n_tokens that will go on growing (a resume, a fork).
+
+    Growing copies every layer; without room, the first new token after a restore would copy the
+    whole cache it just read (188 MB at 8k tokens for SmolLM2). Untouched capacity costs no memory
+    on the CPU (pages are only mapped when written)."""
+    return n_tokens + HEADROOM
+
+
+POOL = BufferPool(limit=512 << 20, new=lambda n: torch.empty(n, dtype=torch.uint8))  # flat uint8 CPU tensors
+
+
+class KVCache:
+    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, *, dtype: torch.dtype,
+                 device: torch.device | str = "cpu", capacity: int = 0):
+        self.n_layers, self.n_kv_heads, self.head_dim = n_layers, n_kv_heads, head_dim
+        self.dtype, self.device = dtype, torch.device(device)
+        self._flat: list[torch.Tensor | None] = [None] * n_layers  # each layer's pooled buffer (CPU)
+        capacity = -(-capacity // GROW_STEP) * GROW_STEP  # what `reserve` would give an empty cache
+        self.layers: list[torch.Tensor] = [self._empty(capacity, i) for i in range(n_layers)]
+        self.length = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.layers[0].shape[0] if self.layers else 0
+
+    @property
+    def token_shape(self) -> tuple[int, int, int]:
+        """Shape of one token's K/V in one layer: (2, n_kv_heads, head_dim)."""
+        return (2, self.n_kv_heads, self.head_dim)
+
+    def _empty(self, capacity: int, layer: int | None = None) -> torch.Tensor:
+        """`[capacity, 2, n_kv_heads, head_dim]`; on the CPU a view of a pooled buffer (see `POOL`),
+        recorded as `layer`'s."""
+        shape = (capacity, *self.token_shape)
+        if self.device.type != "cpu" or layer is None or capacity == 0:
+            return torch.empty(shape, dtype=self.dtype, device=self.device)
+        nbytes = capacity * self.token_shape[0] * self.n_kv_heads * self.head_dim * self.dtype.itemsize
+        flat = self._flat[layer] = POOL.borrow(nbytes)
+        return flat[:nbytes].view(self.dtype).view(shape)
+
+    def release(self) -> None:
+        """Hand the memory to the next cache (`POOL`) and forget every position. Views taken from
+        this cache before must not be used afterwards: their memory will hold another cache's K/V."""
+        for i, flat in enumerate(self._flat):
+            if flat is not None:
+                POOL.give(flat)
+            self._flat[i] = None
+        self.layers = [self._empty(0) for _ in range(self.n_layers)]
+        self.length = 0
+
+    def reserve(self, n_tokens: int) -> None:
+        """Make room for `n_tokens` positions in total (keeps the valid prefix)."""
+        if n_tokens <= self.capacity:
+            return
+        new_capacity = max(n_tokens, 2 * self.capacity)
+        new_capacity = -(-new_capacity // GROW_STEP) * GROW_STEP
+        for i, old in enumerate(self.layers):
+            old_flat = self._flat[i]
+            grown = self._empty(new_capacity, i)
+            grown[: self.length].copy_(old[: self.length])
+            self.layers[i] = grown
+            if old_flat is not None:
+                POOL.give(old_flat)
+
+    def write(self, layer: int, pos: int, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The one write path of a forward: K/V rows `[T, 2, n_kv_heads, head_dim]` at positions
+        pos..pos+T-1 of `layer`, one copy. Writing the last layer makes the positions valid
+        (`length` becomes pos+T): the model writes every layer of a token, in order.
+
+        Returns K and V of positions 0..pos+T-1 as `[1, n_kv_heads, pos+T, head_dim]` views."""
+        buf = self.layers[layer]
+        end = pos + kv.shape[0]
+        buf[pos:end].copy_(kv)
+        if layer == self.n_layers - 1:
+            self.length = end
+        # [end, n_kv, hd] -> [1, n_kv, end, hd]
+        return buf[:end, 0].transpose(0, 1).unsqueeze(0), buf[:end, 1].transpose(0, 1).unsqueeze(0)
+
+    @contextmanager
+    def filling(self, end: int) -> Iterator[list[torch.Tensor]]:
+        """The restore path that writes in place: yields per layer the `[end - length, 2, n_kv_heads,
+        head_dim]` rows of positions length..end-1, to be filled (a store reading its files straight
+        into them); they count once the block exits without an error."""
+        start = self.length
+        self.reserve(end)
+        yield [buf[start:end] for buf in self.layers]
+        self.length = end
+
+    def trim(self, n: int) -> None:
+        """Forget every position from `n` on."""
+        if n < 0:
+            raise InvalidArgument(f"cannot trim to {n} tokens")
+        self.length = min(self.length, n)
+
+    def state(self, start: int = 0, end: int | None = None) -> list[torch.Tensor]:
+        """Per layer, the K/V of positions start..end-1 as `[end-start, 2, n_kv_heads, head_dim]` views."""
+        end = self.length if end is None else end
+        assert 0 <= start <= end <= self.length, (start, end, self.length)
+        return [buf[start:end] for buf in self.layers]
+
+    def load(self, start: int, layers: list[torch.Tensor]) -> None:
+        """Copy per-layer `[T, 2, n_kv_heads, head_dim]` tensors in at positions start..start+T-1."""
+        assert start == self.length, "ranges load in order"
+        n = layers[0].shape[0]
+        self.reserve(start + n)
+        for buf, part in zip(self.layers, layers):
+            buf[start:start + n].copy_(part, non_blocking=False)
+        self.length = start + n
+
+    @classmethod
+    def from_state(cls, layers: list[torch.Tensor], *, device: torch.device | str | None = None) -> "KVCache":
+        first = layers[0]
+        _, _, n_kv, hd = first.shape
+        cache = cls(len(layers), n_kv, hd, dtype=first.dtype, device=device or first.device, capacity=first.shape[0])
+        cache.load(0, layers)
+        return cache

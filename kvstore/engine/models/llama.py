@@ -1,0 +1,357 @@
+"""The Llama family (Llama 2/3, SmolLM2, Mistral, Qwen2), all of it: config readers, weight names, forward.
+
+- **Config**: `config_from_hf` (a `config.json` of model_type llama, mistral or qwen2) and
+  `config_from_gguf` (GGUF metadata), refusing what this forward does not implement.
+- **Weights**: `LAYER` and `GLOBAL` map our tensor names to the file's (GGUF, Hugging Face; `{}` is
+  the layer index); `shapes` says which tensors a config needs and their shapes; `sanitize` undoes
+  llama.cpp's Q/K row permutation (`unpermute_rows`; Qwen2 files are not permuted).
+- **Forward**: RMSNorm, rotary embeddings (plain, linear or Llama-3 scaled, or GGUF `rope_freqs`
+  factors), grouped-query attention (`attention.attend`), SwiGLU, optional biases, tied or untied
+  embeddings. Speaks the KVCache protocol: `forward(ids, pos, cache)` writes positions
+  pos..pos+T-1 and attends to 0..pos+T-1. `feed` stops at the last token's final hidden state
+  (normalized) and `head` turns that into logits, so a session can keep the state, a `[hidden]`
+  vector, and compute the next logits from it after a resume with the very kernel call a
+  forward makes (`forward(last_only=True)` is `head(feed(...))`).
+
+Speed at this size is a matter of kernel calls, not FLOPs: Q/K/V and gate/up are fused into one
+matmul each, the residual add rides in the matmul (addmm/addmv), RMSNorm, SwiGLU and rotary are one
+pass each (`ops`: kvstore's native bfloat16 kernels where the CPU allows; rotary in place),
+K|V land in the cache with one copy. A chunk takes matrix kernels; one token with a cache
+(the decode loop) takes `_step`: vectors and matrix-vector kernels. Which path and kernels run
+depends on T alone, so a forward over [pos, pos+T) gives the same bits whatever ran
+before, the cache's capacity or the rotary table's length (contract C1's premise).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ...errors import UnsupportedModel
+from ..attention import ONE_TOKEN, attend, causal_mask
+from ..cache import KVCache
+from ..config import ModelConfig, gguf_vocab
+from ..ops import add_matvec, matvec, rms_norm, rotate_, swiglu, vector_norm
+from ..weights import GGUF, per_layer
+
+HF_MODEL_TYPES = ("llama", "mistral", "qwen2")
+GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2")
+ROPE_BLOCK = 1024  # positions per rotary table block
+
+
+# -- config ------------------------------------------------------------------------------------------
+def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
+    model_type = cfg.get("model_type")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise UnsupportedModel(f"hidden_act {cfg['hidden_act']!r} is not supported (only silu)")
+    rope = cfg.get("rope_parameters") or {}
+    theta = cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0
+    scaling = _rope_scaling(cfg.get("rope_scaling") or rope)
+    attention_bias = bool(cfg.get("attention_bias", False)) and model_type == "llama"
+    return ModelConfig(
+        arch="llama",
+        variant=model_type,
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        n_layers=cfg["num_hidden_layers"],
+        n_heads=cfg["num_attention_heads"],
+        n_kv_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
+        head_dim=cfg.get("head_dim") or 0,
+        intermediate_size=cfg["intermediate_size"],
+        norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        max_context=_hf_context(cfg, model_type),
+        rope_theta=float(theta),
+        rope_scaling=scaling,
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=attention_bias or model_type == "qwen2",  # Qwen2 always has q/k/v bias
+        o_bias=attention_bias,
+        mlp_bias=bool(cfg.get("mlp_bias", False)),
+    )
+
+
+def config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> ModelConfig:
+    arch = meta.get("general.architecture")
+
+    def get(key, default=None):
+        return meta.get(f"{arch}.{key}", default)
+
+    n_heads = get("attention.head_count")
+    hidden = get("embedding_length")
+    if get("attention.sliding_window"):
+        raise UnsupportedModel(f"{arch} with a sliding attention window is not supported yet")
+    scaling = None
+    if get("rope.scaling.type") not in (None, "none"):
+        scaling = _rope_scaling({"rope_type": get("rope.scaling.type"), "factor": get("rope.scaling.factor")})
+    return ModelConfig(
+        arch="llama",
+        variant=arch,
+        vocab_size=gguf_vocab(meta, arch),
+        hidden_size=hidden,
+        n_layers=get("block_count"),
+        n_heads=n_heads,
+        n_kv_heads=get("attention.head_count_kv") or n_heads,
+        head_dim=get("attention.key_length") or get("rope.dimension_count") or hidden // n_heads,
+        intermediate_size=get("feed_forward_length"),
+        norm_eps=get("attention.layer_norm_rms_epsilon", 1e-5),
+        max_context=get("context_length", 2048),
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        rope_scaling=scaling,
+        tie_embeddings="output.weight" not in tensor_names,
+        qkv_bias="blk.0.attn_q.bias" in tensor_names,
+        o_bias="blk.0.attn_output.bias" in tensor_names,
+        mlp_bias="blk.0.ffn_up.bias" in tensor_names,
+    )
+
+
+def _hf_context(cfg: dict[str, Any], model_type: str) -> int:
+    """The context length; a sliding window is exact up to its size, so the context stops there."""
+    context = cfg.get("max_position_embeddings", 2048)
+    window = cfg.get("sliding_window")
+    uses_window = cfg.get("use_sliding_window", model_type == "mistral")
+    if window and uses_window and window < context:
+        return int(window)
+    return int(context)
+
+
+def _rope_scaling(spec: dict[str, Any]) -> dict[str, Any] | None:
+    """Normalise HF `rope_scaling` / `rope_parameters` into the two kinds we implement."""
+    kind = spec.get("rope_type") or spec.get("type") or "default"
+    if kind == "default":
+        return None
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": float(spec["factor"])}
+    if kind == "llama3":
+        keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+        return {"rope_type": "llama3", **{k: float(spec[k]) for k in keys}}
+    raise UnsupportedModel(f"rope scaling {kind!r} is not supported (only linear and llama3)")
+
+
+# -- weights -----------------------------------------------------------------------------------------
+LAYER = {  # ours (under `layers.{i}.`): (GGUF name, Hugging Face name)
+    "attn_norm": ("blk.{}.attn_norm.weight", "model.layers.{}.input_layernorm.weight"),
+    "wq": ("blk.{}.attn_q.weight", "model.layers.{}.self_attn.q_proj.weight"),
+    "wk": ("blk.{}.attn_k.weight", "model.layers.{}.self_attn.k_proj.weight"),
+    "wv": ("blk.{}.attn_v.weight", "model.layers.{}.self_attn.v_proj.weight"),
+    "wo": ("blk.{}.attn_output.weight", "model.layers.{}.self_attn.o_proj.weight"),
+    "bq": ("blk.{}.attn_q.bias", "model.layers.{}.self_attn.q_proj.bias"),
+    "bk": ("blk.{}.attn_k.bias", "model.layers.{}.self_attn.k_proj.bias"),
+    "bv": ("blk.{}.attn_v.bias", "model.layers.{}.self_attn.v_proj.bias"),
+    "bo": ("blk.{}.attn_output.bias", "model.layers.{}.self_attn.o_proj.bias"),
+    "mlp_norm": ("blk.{}.ffn_norm.weight", "model.layers.{}.post_attention_layernorm.weight"),
+    "w_gate": ("blk.{}.ffn_gate.weight", "model.layers.{}.mlp.gate_proj.weight"),
+    "w_up": ("blk.{}.ffn_up.weight", "model.layers.{}.mlp.up_proj.weight"),
+    "w_down": ("blk.{}.ffn_down.weight", "model.layers.{}.mlp.down_proj.weight"),
+    "b_gate": ("blk.{}.ffn_gate.bias", "model.layers.{}.mlp.gate_proj.bias"),
+    "b_up": ("blk.{}.ffn_up.bias", "model.layers.{}.mlp.up_proj.bias"),
+    "b_down": ("blk.{}.ffn_down.bias", "model.layers.{}.mlp.down_proj.bias"),
+}
+GLOBAL = {
+    "embed": ("token_embd.weight", "model.embed_tokens.weight"),
+    "norm": ("output_norm.weight", "model.norm.weight"),
+    "lm_head": ("output.weight", "lm_head.weight"),
+    "rope_freqs": ("rope_freqs.weight", None),
+}
+
+
+def shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Our tensor names -> shapes, for exactly the tensors this config needs."""
+    h, q, kv, ff = cfg.hidden_size, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.intermediate_size
+    out = {"embed": (cfg.vocab_size, h), "norm": (h,)}
+    if not cfg.tie_embeddings:
+        out["lm_head"] = (cfg.vocab_size, h)
+    layer = {"attn_norm": (h,), "wq": (q, h), "wk": (kv, h), "wv": (kv, h), "wo": (h, q), "mlp_norm": (h,),
+             "w_gate": (ff, h), "w_up": (ff, h), "w_down": (h, ff)}
+    if cfg.qkv_bias:
+        layer.update(bq=(q,), bk=(kv,), bv=(kv,))
+    if cfg.o_bias:
+        layer["bo"] = (h,)
+    if cfg.mlp_bias:
+        layer.update(b_gate=(ff,), b_up=(ff,), b_down=(h,))
+    return out | per_layer(cfg, layer)
+
+
+def optional(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Tensors read when the file has them: GGUF's Llama-3 rope factors, kept in float32."""
+    return {"rope_freqs": ((cfg.head_dim // 2,), torch.float32)}
+
+
+def stored_shape(cfg: ModelConfig, ours: str, kind: int, shape: tuple[int, ...]) -> tuple[int, ...]:
+    return shape  # both sources store [out, in]
+
+
+def sanitize(cfg: ModelConfig, ours: str, t: torch.Tensor, kind: int) -> torch.Tensor:
+    key = ours.rsplit(".", 1)[-1]
+    if kind == GGUF and cfg.variant != "qwen2":
+        if key in ("wq", "bq"):
+            return unpermute_rows(t, cfg.n_heads)
+        if key in ("wk", "bk"):
+            return unpermute_rows(t, cfg.n_kv_heads)
+    return t
+
+
+def unpermute_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's Q/K permutation (interleaved rotary pairs -> two halves per head)."""
+    rows = w.shape[0]
+    # [n_heads, 2 (halves), head_dim // 2, ...] <- [n_heads, head_dim // 2, 2 (pair), ...]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+# -- the forward ---------------------------------------------------------------------------------------
+@dataclass
+class Layer:
+    attn_norm2: torch.Tensor  # the norm weights twice over: see rms_norm
+    wqkv: torch.Tensor  # [(n_heads + 2 n_kv_heads) head_dim, hidden]
+    bqkv: torch.Tensor | None
+    wo: torch.Tensor
+    bo: torch.Tensor | None
+    mlp_norm2: torch.Tensor
+    w_gate_up: torch.Tensor  # [2 ffn, hidden]
+    b_gate_up: torch.Tensor | None
+    w_down: torch.Tensor
+    b_down: torch.Tensor | None
+
+
+def inv_frequencies(cfg: ModelConfig, rope_freqs: torch.Tensor | None = None) -> torch.Tensor:
+    """Rotary inverse frequencies `[head_dim // 2]` in float32, scaling applied."""
+    hd = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
+    if rope_freqs is not None:  # GGUF stores Llama-3 scaling as per-frequency divisors
+        return inv / rope_freqs.float()
+    scaling = cfg.rope_scaling or {}
+    if scaling.get("rope_type") == "linear":
+        return inv / scaling["factor"]
+    if scaling.get("rope_type") == "llama3":
+        return _llama3_scaled(inv, scaling)
+    return inv
+
+
+def _llama3_scaled(inv: torch.Tensor, s: dict) -> torch.Tensor:
+    factor, low, high, old_ctx = s["factor"], s["low_freq_factor"], s["high_freq_factor"], s["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+class Llama:
+    def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor]):
+        self.cfg = cfg
+        self.embed = w["embed"]
+        self.norm2 = torch.cat([w["norm"], w["norm"]])
+        self.lm_head = w["embed"] if cfg.tie_embeddings else w["lm_head"]
+        self.layers = [self._layer(w, i) for i in range(cfg.n_layers)]
+        self.inv_freq = inv_frequencies(cfg, w.get("rope_freqs")).to(self.embed.device)
+        self._rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @staticmethod
+    def _layer(w: dict[str, torch.Tensor], i: int) -> Layer:
+        p = f"layers.{i}."
+        get = lambda k: w.get(p + k)  # noqa: E731
+        cat = lambda *ks: torch.cat([w[p + k] for k in ks]) if all(p + k in w for k in ks) else None  # noqa: E731
+        return Layer(attn_norm2=cat("attn_norm", "attn_norm"), wqkv=cat("wq", "wk", "wv"), bqkv=cat("bq", "bk", "bv"),
+                     wo=get("wo"), bo=get("bo"), mlp_norm2=cat("mlp_norm", "mlp_norm"), w_gate_up=cat("w_gate", "w_up"),
+                     b_gate_up=cat("b_gate", "b_up"), w_down=get("w_down"), b_down=get("b_down"))
+
+    def rope(self, pos: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin for positions pos..pos+n-1, `[n, 1, head_dim]` in the model dtype.
+
+        The table grows by whole blocks, each computed from its own positions only, so the bits for
+        a position never depend on how long the table happened to be (resume, fork, trim).
+        """
+        end = pos + n
+        while self._rope_cache is None or self._rope_cache[0].shape[0] < end:
+            start = 0 if self._rope_cache is None else self._rope_cache[0].shape[0]
+            cos, sin = self._rope_block(start)
+            if self._rope_cache is not None:
+                cos, sin = torch.cat([self._rope_cache[0], cos]), torch.cat([self._rope_cache[1], sin])
+            self._rope_cache = (cos, sin)
+        cos, sin = self._rope_cache
+        return cos[pos:end], sin[pos:end]
+
+    def _rope_block(self, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        t = torch.arange(start, start + ROPE_BLOCK, dtype=torch.float32, device=self.inv_freq.device)
+        freqs = torch.outer(t, self.inv_freq)  # [ROPE_BLOCK, hd/2]
+        cos, sin = freqs.cos(), freqs.sin()
+        dtype = self.embed.dtype
+        # rotate_half(x) * sin == cat(x2, x1) * cat(-sin, sin): fold the sign into the table
+        return torch.cat([cos, cos], -1).to(dtype)[:, None], torch.cat([-sin, sin], -1).to(dtype)[:, None]
+
+    def forward(self, ids: torch.Tensor, pos: int, cache: KVCache | None, *, last_only: bool) -> torch.Tensor:
+        """Logits (float32) for `ids` `[T]` at positions pos..pos+T-1: `[T, vocab]`, or `[1, vocab]`."""
+        if last_only:
+            return self.head(self.feed(ids, pos, cache))[None]
+        return linear(rms_norm(self._trunk(ids, pos, cache), self.norm2, self.cfg.norm_eps), self.lm_head).float()
+
+    def feed(self, ids: torch.Tensor, pos: int, cache: KVCache | None) -> torch.Tensor:
+        """Write the K/V of `ids` `[T]` at positions pos..pos+T-1; the last one's final hidden state,
+        normalized: `[hidden]`, what `head` turns into the logits that predict the next token."""
+        if ids.shape[0] == 1 and cache is not None:
+            return self._step(ids, pos, cache)
+        return rms_norm(self._trunk(ids, pos, cache)[-1:], self.norm2, self.cfg.norm_eps)[0]
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits `[vocab]` from a final hidden state `[hidden]` (`feed`'s)."""
+        return matvec(self.lm_head, hidden).float()
+
+    def _trunk(self, ids: torch.Tensor, pos: int, cache: KVCache | None) -> torch.Tensor:
+        """The residual stream `[T, hidden]` after the last layer, K/V written into `cache`."""
+        cfg = self.cfg
+        T = ids.shape[0]
+        nh, nkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        eps, q_end, k_end = cfg.norm_eps, nh * hd, (nh + nkv) * hd
+        cos, sin = self.rope(pos, T)
+        mask = causal_mask(pos, T, self.embed.dtype, ids.device)
+        x = F.embedding(ids, self.embed)  # [T, hidden]
+        for i, L in enumerate(self.layers):
+            qkv = linear(rms_norm(x, L.attn_norm2, eps), L.wqkv, L.bqkv)  # [T, (nh + 2 nkv) hd]: q | k | v
+            rotate_(qkv[:, :k_end].view(T, nh + nkv, hd), cos, sin)
+            # k | v of a token is exactly one token row of the cache: [T, 2, nkv, hd]
+            o = attend(qkv[:, :q_end].view(T, nh, hd), qkv[:, q_end:].view(T, 2, nkv, hd), cache, i, pos, mask)
+            x = add_linear(x, o, L.wo, L.bo)
+            gate_up = linear(rms_norm(x, L.mlp_norm2, eps), L.w_gate_up, L.b_gate_up)  # [T, 2 ffn]
+            x = add_linear(x, swiglu(gate_up), L.w_down, L.b_down)
+        return x
+
+    def _step(self, ids: torch.Tensor, pos: int, cache: KVCache) -> torch.Tensor:
+        """`feed` of one token into a cache, in vectors (`[hidden]`): the decode loop's hot path, where
+        Python and dispatch overhead per op is a fair share of the time, so it takes the fewest ops."""
+        cfg = self.cfg
+        nh, nkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        eps, q_end, k_end = cfg.norm_eps, nh * hd, (nh + nkv) * hd
+        cos, sin = self.rope(pos, 1)
+        cos, sin = cos[0], sin[0]  # [1, hd]
+        x = self.embed[ids[0]]  # [hidden]
+        norm = vector_norm(x, eps)
+        for i, L in enumerate(self.layers):
+            qkv = matvec(L.wqkv, norm(x, L.attn_norm2), L.bqkv)  # [(nh + 2 nkv) hd]: q | k | v
+            rotate_(qkv[:k_end].view(nh + nkv, hd), cos, sin)
+            # k | v is exactly one token row of the cache: [1, 2, nkv, hd]
+            o = attend(qkv[:q_end].view(1, nh, hd), qkv[q_end:].view(1, 2, nkv, hd), cache, i, pos, ONE_TOKEN)[0]
+            x = add_matvec(x, L.wo, o, L.bo)
+            gate_up = matvec(L.w_gate_up, norm(x, L.mlp_norm2), L.b_gate_up)  # [2 ffn]
+            x = add_matvec(x, L.w_down, swiglu(gate_up), L.b_down)
+        return norm(x, self.norm2)
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """x `[T, in]` @ w.T (+ b). One row takes the matrix-vector kernel (`matvec`: memory-bound; the
+    generic matmul path is slower at T=1 here). Which kernel runs depends on T alone, never on history."""
+    if x.shape[0] == 1:
+        return matvec(w, x[0], b)[None]
+    return F.linear(x, w, b)
+
+
+def add_linear(x: torch.Tensor, y: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """The residual step x + y @ w.T (+ b), fused into one kernel where there is no bias."""
+    if x.shape[0] == 1:
+        return add_matvec(x[0], w, y[0], b)[None]
+    return torch.addmm(x, y, w.t()) if b is None else x + F.linear(y, w, b)
+
+Net = Llama

@@ -1,0 +1,254 @@
+// bfloat16 kernels for the Llama forward on CPUs with AVX512-BF16: one pass each where torch takes
+// several, float32 inside, one rounding to bfloat16 at the end.
+//
+// - gemv_bf16(W [rows, n], x [n], add=None) -> [rows]: y = W x (+ add), the one-row products (the
+//   decode step). torch.mv widens every weight to float32 before its multiply-add; vdpbf16ps
+//   multiplies 32 bfloat16 pairs into 16 float32 lanes in one step, and with the next rows
+//   prefetched the product runs at the speed memory streams the weights.
+// - rms_norm_bf16(x [..., H], weight [>= H], eps) -> [..., H]: x / sqrt(mean(x^2) + eps) * weight[:H].
+// - swiglu_bf16(gate_up [..., 2F]) -> [..., F]: silu(gate) * up.
+// - rope_bf16_(x [T, heads, hd] or [heads, hd], cos [T, hd], sin [T, hd]) -> x, in place:
+//   x * cos + swap_halves(x) * sin (the sign of rotate_half folded into sin by the caller).
+//
+// Contract (kvstore/engine/native/__init__.py and kvstore/engine/ops.py rely on it):
+// - Every output element is computed by one thread in a fixed order (a row's dot product or sum of
+//   squares: 16 float32 lanes accumulated in steps along the row, zero-padded tail last, then the
+//   lanes summed in a fixed tree), so the bits depend on the inputs alone, never on the thread
+//   count or on which thread took the row. Results round once, to nearest even.
+// - Inputs are bfloat16 CPU tensors; non-contiguous ones are copied first, except rope's x, which
+//   is updated in place through its strides (its last dimension must be contiguous).
+// - kvstore::avx512_bf16() says whether this CPU has the instructions; the kernels refuse to run
+//   without them.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kRows = 4;    // rows per block: four dot products in flight
+constexpr int64_t kAhead = 4;   // prefetch the rows this many rows ahead (the next block)
+constexpr int64_t kGrain = 16;  // blocks: a thread takes at least this many
+constexpr int64_t kStep = 32;   // bfloat16 pairs per vdpbf16ps
+
+#define KV_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+
+KV_AVX512_BF16 inline __m512bh load(const uint16_t* p, __mmask32 mask) {
+  return (__m512bh)_mm512_maskz_loadu_epi16(mask, p);
+}
+
+// dot products of `count` (1..kRows) consecutive rows starting at w with x, into out[0..count)
+KV_AVX512_BF16 void dot_rows(const uint16_t* w, const uint16_t* x, int64_t n, int64_t count, float* out) {
+  __m512 acc[kRows];
+  for (int64_t i = 0; i < kRows; i++) acc[i] = _mm512_setzero_ps();
+  const __mmask32 all = ~__mmask32(0);
+  for (int64_t k = 0; k < n; k += kStep) {
+    const __mmask32 mask = n - k >= kStep ? all : ((__mmask32(1) << (n - k)) - 1);
+    const __m512bh xv = load(x + k, mask);
+    for (int64_t i = 0; i < count; i++) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + (i + kAhead) * n + k), _MM_HINT_T0);
+      acc[i] = _mm512_dpbf16_ps(acc[i], load(w + i * n + k, mask), xv);
+    }
+  }
+  for (int64_t i = 0; i < count; i++) out[i] = _mm512_reduce_add_ps(acc[i]);
+}
+
+bool avx512_bf16() {
+  static const bool present = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512bf16") != 0;
+  }();
+  return present;
+}
+
+void require_avx512_bf16(const char* op) {
+  TORCH_CHECK(avx512_bf16(), op, ": this CPU has no AVX512-BF16 instructions");
+}
+
+// t is a bfloat16 CPU tensor with `dims` dimensions (0: any number but none)
+void check(const at::Tensor& t, const char* op, const char* what, int64_t dims = 0) {
+  const bool shaped = dims > 0 ? t.dim() == dims : t.dim() >= 1;
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kBFloat16 && shaped, op, ": ", what,
+              " must be a bfloat16 CPU tensor", dims > 0 ? " with " + std::to_string(dims) + " dimension(s)" : "");
+}
+
+const uint16_t* bits(const at::Tensor& t) { return static_cast<const uint16_t*>(t.data_ptr()); }
+uint16_t* bits_out(at::Tensor& t) { return static_cast<uint16_t*>(t.data_ptr()); }
+
+at::Tensor gemv_bf16(const at::Tensor& w_any, const at::Tensor& x_any, const std::optional<at::Tensor>& add_any) {
+  require_avx512_bf16("gemv_bf16");
+  check(w_any, "gemv_bf16", "the matrix", 2);
+  check(x_any, "gemv_bf16", "the vector", 1);
+  const at::Tensor w = w_any.contiguous(), x = x_any.contiguous();
+  const int64_t rows = w.size(0), n = w.size(1);
+  TORCH_CHECK(x.size(0) == n, "gemv_bf16: the vector has ", x.size(0), " elements, the matrix ", n, " columns");
+  at::Tensor add;
+  if (add_any.has_value()) {
+    check(*add_any, "gemv_bf16", "the addend", 1);
+    TORCH_CHECK(add_any->size(0) == rows, "gemv_bf16: the addend has ", add_any->size(0), " elements, the matrix ",
+                rows, " rows");
+    add = add_any->contiguous();
+  }
+  const uint16_t* base = add.defined() ? bits(add) : nullptr;
+  at::Tensor y = at::empty({rows}, w.options());
+  const uint16_t *W = bits(w), *X = bits(x);
+  auto* Y = static_cast<c10::BFloat16*>(y.data_ptr());
+  const int64_t blocks = (rows + kRows - 1) / kRows;
+  at::parallel_for(0, blocks, kGrain, [&](int64_t begin, int64_t end) {
+    float dots[kRows];
+    for (int64_t b = begin; b < end; b++) {
+      const int64_t r0 = b * kRows, count = std::min(kRows, rows - r0);
+      dot_rows(W + r0 * n, X, n, count, dots);
+      for (int64_t i = 0; i < count; i++) {
+        const float extra = base ? float(c10::BFloat16(base[r0 + i], c10::BFloat16::from_bits())) : 0.0f;
+        Y[r0 + i] = c10::BFloat16(extra + dots[i]);
+      }
+    }
+  });
+  return y;
+}
+
+
+// ---- elementwise kernels: float32 lanes in, bfloat16 out -----------------------------------------
+
+inline __mmask16 lanes16(int64_t left) { return left >= 16 ? __mmask16(0xffff) : __mmask16((1u << left) - 1); }
+
+KV_AVX512_BF16 inline __m512 load16(const uint16_t* p, __mmask16 m) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+
+KV_AVX512_BF16 inline void store16(uint16_t* p, __mmask16 m, __m512 v) {
+  _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(v));
+}
+
+// e^x for x <= 0: 2^n e^r with n = round(x / ln 2), r = x - n ln 2 (|r| <= 0.35, ln 2 in two parts),
+// e^r by its Taylor polynomial of degree 7 (relative error below 1e-8); scalef applies 2^n.
+KV_AVX512_BF16 inline __m512 exp_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));  // e^-104 is 0 in float32
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860682030941723e-6f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 5040);
+  for (float c : {1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f}) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  return _mm512_scalef_ps(p, n);
+}
+
+KV_AVX512_BF16 void rms_norm_row(const uint16_t* x, const uint16_t* w, uint16_t* out, int64_t H, float eps) {
+  __m512 squares = _mm512_setzero_ps();
+  for (int64_t k = 0; k < H; k += 16) {
+    const __m512 v = load16(x + k, lanes16(H - k));
+    squares = _mm512_fmadd_ps(v, v, squares);
+  }
+  const __m512 scale = _mm512_set1_ps(1.0f / std::sqrt(_mm512_reduce_add_ps(squares) / float(H) + eps));
+  for (int64_t k = 0; k < H; k += 16) {
+    const __mmask16 m = lanes16(H - k);
+    store16(out + k, m, _mm512_mul_ps(_mm512_mul_ps(load16(x + k, m), scale), load16(w + k, m)));
+  }
+}
+
+// silu(g) u = g sigmoid(g) u, with sigmoid from e = e^-|g| (never overflows): 1/(1+e) or e/(1+e)
+KV_AVX512_BF16 void swiglu_row(const uint16_t* gate, const uint16_t* up, uint16_t* out, int64_t F) {
+  const __m512 one = _mm512_set1_ps(1.0f);
+  for (int64_t k = 0; k < F; k += 16) {
+    const __mmask16 m = lanes16(F - k);
+    const __m512 g = load16(gate + k, m);
+    const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
+    const __mmask16 negative = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
+    const __m512 sigmoid = _mm512_div_ps(_mm512_mask_blend_ps(negative, one, e), _mm512_add_ps(one, e));
+    store16(out + k, m, _mm512_mul_ps(_mm512_mul_ps(g, sigmoid), load16(up + k, m)));
+  }
+}
+
+// one head of one token, in place: x[:h] x cos[:h] + x[h:] sin[:h] | x[h:] cos[h:] + x[:h] sin[h:]
+KV_AVX512_BF16 void rope_head(uint16_t* x, const uint16_t* cos, const uint16_t* sin, int64_t hd) {
+  const int64_t half = hd / 2;
+  for (int64_t k = 0; k < half; k += 16) {
+    const __mmask16 m = lanes16(half - k);
+    const __m512 a = load16(x + k, m), b = load16(x + half + k, m);
+    const __m512 lo = _mm512_fmadd_ps(b, load16(sin + k, m), _mm512_mul_ps(a, load16(cos + k, m)));
+    const __m512 hi = _mm512_fmadd_ps(a, load16(sin + half + k, m), _mm512_mul_ps(b, load16(cos + half + k, m)));
+    store16(x + k, m, lo);
+    store16(x + half + k, m, hi);
+  }
+}
+
+at::Tensor rms_norm_bf16(const at::Tensor& x_any, const at::Tensor& w_any, double eps) {
+  require_avx512_bf16("rms_norm_bf16");
+  check(x_any, "rms_norm_bf16", "x");
+  check(w_any, "rms_norm_bf16", "the weight");
+  const at::Tensor x = x_any.contiguous(), w = w_any.contiguous();
+  const int64_t H = x.size(-1), rows = x.numel() / std::max<int64_t>(H, 1);
+  TORCH_CHECK(w.numel() >= H, "rms_norm_bf16: the weight has ", w.numel(), " elements, fewer than ", H);
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  const uint16_t *X = bits(x), *W = bits(w);
+  uint16_t* O = bits_out(out);
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; r++) rms_norm_row(X + r * H, W, O + r * H, H, float(eps));
+  });
+  return out;
+}
+
+at::Tensor swiglu_bf16(const at::Tensor& gu_any) {
+  require_avx512_bf16("swiglu_bf16");
+  check(gu_any, "swiglu_bf16", "gate_up");
+  const at::Tensor gu = gu_any.contiguous();
+  TORCH_CHECK(gu.size(-1) % 2 == 0, "swiglu_bf16: the last dimension (gate | up) must be even");
+  const int64_t F = gu.size(-1) / 2, rows = gu.numel() / std::max<int64_t>(2 * F, 1);
+  std::vector<int64_t> shape(gu.sizes().begin(), gu.sizes().end());
+  shape.back() = F;
+  at::Tensor out = at::empty(shape, gu.options());
+  const uint16_t* G = bits(gu);
+  uint16_t* O = bits_out(out);
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; r++) swiglu_row(G + r * 2 * F, G + r * 2 * F + F, O + r * F, F);
+  });
+  return out;
+}
+
+at::Tensor& rope_bf16_(at::Tensor& x, const at::Tensor& cos_any, const at::Tensor& sin_any) {
+  require_avx512_bf16("rope_bf16_");
+  check(x, "rope_bf16_", "x");
+  check(cos_any, "rope_bf16_", "cos");
+  check(sin_any, "rope_bf16_", "sin");
+  TORCH_CHECK((x.dim() == 2 || x.dim() == 3) && x.stride(-1) == 1 && x.size(-1) % 2 == 0,
+              "rope_bf16_: x must be [T, heads, hd] or [heads, hd] with contiguous rows of even length");
+  const int64_t T = x.dim() == 3 ? x.size(0) : 1, heads = x.size(-2), hd = x.size(-1);
+  const int64_t st = x.dim() == 3 ? x.stride(0) : 0, sh = x.stride(-2);
+  const at::Tensor cos = cos_any.contiguous(), sin = sin_any.contiguous();
+  TORCH_CHECK(cos.numel() == T * hd && sin.numel() == T * hd, "rope_bf16_: cos and sin must hold ", T, " rows of ",
+              hd);
+  uint16_t* X = bits_out(x);
+  const uint16_t *C = bits(cos), *S = bits(sin);
+  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; t++)
+      for (int64_t h = 0; h < heads; h++) rope_head(X + t * st + h * sh, C + t * hd, S + t * hd, hd);
+  });
+  return x;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(kvstore, m) {
+  m.def("avx512_bf16() -> bool", &avx512_bf16);
+  m.def("gemv_bf16(Tensor w, Tensor x, Tensor? add=None) -> Tensor");
+  m.def("rms_norm_bf16(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("swiglu_bf16(Tensor gate_up) -> Tensor");
+  m.def("rope_bf16_(Tensor(a!) x, Tensor cos, Tensor sin) -> Tensor(a!)");
+}
+
+TORCH_LIBRARY_IMPL(kvstore, CPU, m) {
+  m.impl("gemv_bf16", &gemv_bf16);
+  m.impl("rms_norm_bf16", &rms_norm_bf16);
+  m.impl("swiglu_bf16", &swiglu_bf16);
+  m.impl("rope_bf16_", &rope_bf16_);
+}

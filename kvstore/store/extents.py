@@ -1,0 +1,179 @@
+"""A session's KV as stored: its ordered extent references, and reading them back verified.
+
+An `ExtentRef` says: the first `n_tokens` of extent `extent_id` sit at positions
+[start, start + n_tokens) of the session. Its bytes are in the raw per-layer files of its segment,
+or, once packed, in a blob. `read_layers` returns the per-layer raw bytes of the whole extent after
+checking every checksum, so a flipped or missing byte is a `CorruptData` naming the session, the
+file, the layer and the extent, never garbage tokens; `read_layers_unlocked` does the same for
+readers that do not hold the lock of the extent's owner, which a pack may overtake.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+from sqlalchemy import select
+from sqlalchemy.orm import Session as DB
+
+from ..errors import CorruptData
+from . import blobs, codec, segments
+from .index import BlobRow, ExtentBlobRow, ExtentRow, SegmentRow, SessionExtentRow
+
+
+@dataclass
+class ExtentRef:
+    start: int
+    n_tokens: int  # tokens of the extent used by this session (a prefix of it)
+    extent_id: int
+    segment_id: str
+    offset: int
+    extent_tokens: int
+    checksums: list[str]
+    token_bytes: int
+    blob: BlobRow | None
+
+    @property
+    def raw_size(self) -> int:
+        """Bytes of one layer of the whole extent."""
+        return self.extent_tokens * self.token_bytes
+
+
+def kv_bytes(ref: ExtentRef) -> int:
+    """Raw KV bytes of the whole extent, every layer: the unit of progress for jobs over extents."""
+    return ref.raw_size * len(ref.checksums)
+
+
+def session_extents(db: DB, session_id: str) -> list[ExtentRef]:
+    rows = db.execute(
+        select(SessionExtentRow, ExtentRow, SegmentRow, BlobRow)
+        .join(ExtentRow, SessionExtentRow.extent_id == ExtentRow.id)
+        .join(SegmentRow, ExtentRow.segment_id == SegmentRow.id)
+        .outerjoin(ExtentBlobRow, ExtentBlobRow.extent_id == ExtentRow.id)
+        .outerjoin(BlobRow, BlobRow.hash == ExtentBlobRow.blob_hash)
+        .where(SessionExtentRow.session_id == session_id)
+        .order_by(SessionExtentRow.start)
+    ).all()
+    return [ExtentRef(se.start, se.n_tokens, ex.id, seg.id, ex.offset, ex.n_tokens, list(ex.checksums),
+                      seg.token_bytes, blob) for se, ex, seg, blob in rows]
+
+
+def read_layers(ref: ExtentRef, home: Path, itemsize: int, *, session: str) -> list[np.ndarray]:
+    """Verified raw bytes of every layer of the extent (the whole extent, not just the used prefix)."""
+    what = f"session {session!r}, extent {ref.extent_id}"
+    if ref.blob is None:  # each layer verified as it is read
+        directory = home / "sessions" / ref.segment_id
+        return [segments.read_extent(directory, i, ref.offset, ref.raw_size, what=f"{what}, layer {i}",
+                                     checksum=expected) for i, expected in enumerate(ref.checksums)]
+    b = ref.blob
+    layers = blobs.unpack(home / "blobs", b.hash, b.frames, b.file_checksum, ref.raw_size, itemsize,
+                          ref.token_bytes, what=what)
+    for i, (data, expected) in enumerate(zip(layers, ref.checksums)):
+        segments.verify(data, expected, what=f"{what} (blob), layer {i}")
+    return layers
+
+
+def read_layers_unlocked(store, ref: ExtentRef, itemsize: int, *, session: str) -> list[np.ndarray]:
+    """`read_layers` for a reader without the lock of the session that owns the extent (verify,
+    export; pack, for the extents a fork shares with its parent). A pack in another process may have
+    moved the extent into a blob, and freed its raw file, since `ref` was read from the index: the
+    bytes are then read from that blob. Damage is still CorruptData."""
+    try:
+        return read_layers(ref, store.home, itemsize, session=session)
+    except CorruptData:
+        if ref.blob is not None:
+            raise
+        with store.db() as db:
+            blob = db.scalar(select(BlobRow).join(ExtentBlobRow, ExtentBlobRow.blob_hash == BlobRow.hash)
+                             .where(ExtentBlobRow.extent_id == ref.extent_id))
+        if blob is None:
+            raise
+        return read_layers(replace(ref, blob=blob), store.home, itemsize, session=session)
+
+
+RUN_BLOB_BYTES = 256 << 20  # compressed bytes of the blobs one run holds in memory at most (about)
+
+
+def load_into(cache, refs: list[ExtentRef], home: Path, *, session: str) -> None:
+    """Append every referenced extent to `cache` (empty on entry), checksums verified.
+
+    On a CPU cache, runs of whole extents, raw or packed, are read or inflated straight into the
+    cache's memory, one task per layer over the whole run (two threads: the copy and the first touch
+    of fresh pages share the cost); partial ones (a fork's last) and CUDA caches go through a buffer.
+    """
+    itemsize = cache.dtype.itemsize
+    run: list[ExtentRef] = []
+    pos, held = cache.length, 0  # held: compressed bytes of the run's blobs, all in memory at once
+    for ref in refs:
+        if ref.start != pos:
+            raise CorruptData(f"session {session!r}: the index has a gap in its KV at position {pos}")
+        pos += ref.n_tokens
+        if ref.n_tokens == ref.extent_tokens and cache.device.type == "cpu":
+            if held > RUN_BLOB_BYTES:
+                _read_direct(cache, run, home, session)
+                run, held = [], 0
+            run.append(ref)
+            held += ref.blob.size if ref.blob is not None else 0
+            continue
+        _read_direct(cache, run, home, session)
+        run, held = [], 0
+        import torch  # here: gc, pack and verify use this module without a model, and never load torch
+
+        used = ref.n_tokens * ref.token_bytes
+        layers = read_layers(ref, home, itemsize, session=session)
+        # bytes -> [n_tokens, 2, n_kv_heads, head_dim] in the cache's dtype
+        cache.load(ref.start, [torch.from_numpy(d[:used]).view(cache.dtype).view(ref.n_tokens, *cache.token_shape)
+                               for d in layers])
+    _read_direct(cache, run, home, session)
+
+
+def _read_direct(cache, run: list[ExtentRef], home: Path, session: str) -> None:
+    """Read (raw) or inflate (packed) a run of consecutive whole extents into the cache, each layer's
+    share in one task."""
+    if not run:
+        return
+    from ..engine.cache import POOL  # here: a cache exists, so torch is loaded
+
+    end = run[-1].start + run[-1].n_tokens
+    cache.reserve(end)  # the cache's memory first, then the blobs' (both from the pool)
+    packed = [ref for ref in run if ref.blob is not None]
+    buffers = [POOL.borrow(ref.blob.size) for ref in packed]  # reused memory for the blob bodies
+    try:
+        bodies = dict(zip([ref.extent_id for ref in packed], codec.parallel_map(
+            lambda i: blobs.read_body(home / "blobs", packed[i].blob.hash, packed[i].blob.file_checksum,
+                                      what=f"session {session!r}, extent {packed[i].extent_id}",
+                                      into=buffers[i].numpy()), list(range(len(packed))), threads=2)))
+        with cache.filling(end) as rows:  # per layer [end - start, 2, n_kv, hd], in the cache's memory
+            # each layer's bytes of the run, as uint8 views made here: torch calls in the workers would
+            # contend for the GIL (measured: 2k tokens, 120 views, 13 ms of the workers' time)
+            _fill([segments.as_bytes(r) for r in rows], cache.dtype.itemsize, run, home, session, bodies)
+    finally:
+        for buf in buffers:
+            POOL.give(buf)
+
+
+def _fill(dest: list[np.ndarray], itemsize: int, run: list[ExtentRef], home: Path, session: str,
+          bodies: dict[int, memoryview]) -> None:
+    """Each layer's share of the run (`dest`: its bytes), in one task per layer: read or inflated,
+    then verified."""
+    first = run[0].start
+
+    def one(layer: int) -> None:
+        raw: dict[str, list[segments.ExtentRead]] = {}  # per segment: one open of its layer file
+        for ref in run:
+            a = (ref.start - first) * ref.token_bytes
+            target = dest[layer][a:a + ref.n_tokens * ref.token_bytes]  # a view
+            what = f"session {session!r}, extent {ref.extent_id}, layer {layer}"
+            if ref.blob is None:
+                raw.setdefault(ref.segment_id, []).append(segments.ExtentRead(ref.offset, target, what,
+                                                                              ref.checksums[layer]))
+                continue
+            payload = blobs.layer_payload(bodies[ref.extent_id], ref.blob.frames, layer)
+            codec.unpack_frame(payload, ref.raw_size, itemsize, ref.token_bytes, what=what, out=target)
+            file = blobs.blob_path(Path("blobs"), ref.blob.hash).as_posix()
+            segments.verify(target, ref.checksums[layer], what=f"{what} (blob {file})")
+        for segment, reads in raw.items():  # each verified as soon as it is read
+            segments.read_extents_into(home / "sessions" / segment, layer, reads)
+
+    codec.parallel_map(one, list(range(len(dest))), threads=2)

@@ -1,0 +1,178 @@
+"""Per-layer KV files of one segment: `sessions/<segment>/layer-NNN.kv`, append-only, token-major.
+
+Each file holds raw `[tokens, 2, n_kv_heads, head_dim]` elements of one layer. An extent is the
+same token range in every layer file, at the same page-aligned offset (C5: new bytes never share a
+page with committed ones). `append` reserves space with posix_fallocate before writing (a full disk
+raises StoreFull, never SIGBUS), writes, and fsyncs the files (and the directory when it created
+files); only then may the caller commit the extent in the index. `read_into` reads an extent and
+verifies its per-layer checksums. All file calls go through `fileio.io`.
+"""
+
+from __future__ import annotations
+
+import mmap
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ..errors import CorruptData
+from ..fileio import close_all, io, reraise_full
+from . import codec
+
+if TYPE_CHECKING:
+    import torch
+
+PAGE = mmap.PAGESIZE
+LAYER_FILE = re.compile(r"layer-(\d{3,})\.kv")
+
+
+def layer_path(directory: Path, layer: int) -> Path:
+    return directory / f"layer-{layer:03d}.kv"
+
+
+def align(n: int) -> int:
+    return -(-n // PAGE) * PAGE
+
+
+def as_bytes(t: "torch.Tensor") -> np.ndarray:
+    """A contiguous CPU tensor's bytes as a uint8 array (no copy)."""
+    assert t.is_contiguous() and t.device.type == "cpu"
+    import torch  # here, not at the top: the index-only commands (list, show, rm, ...) never load torch
+
+    return t.reshape(-1).view(torch.uint8).numpy()
+
+
+@dataclass
+class Written:
+    offset: int
+    n_tokens: int
+    checksums: list[str]
+    end: int  # committed_end once this extent is committed
+
+
+def append(directory: Path, committed_end: int, layers: list["torch.Tensor"], *, names_synced: bool = False) -> Written:
+    """Write one extent (per layer `[T, 2, n_kv, hd]` CPU tensors) durably after `committed_end`.
+
+    The directory and its parent are fsynced when this call creates files, and also whenever the
+    caller has not yet made the names durable itself (`names_synced`): files found on disk may
+    have been created by a writer that died before its directory fsync.
+    """
+    offset = align(committed_end)
+    data = [as_bytes(t.contiguous()) for t in layers]
+    length = data[0].nbytes
+    checksums = [codec.checksum(d) for d in data]
+    fds: list[int] = []
+    opened: list[Path] = []
+    made: list[Path] = []  # files this call created
+    try:
+        created = io.mkdir(directory)
+        for i, d in enumerate(data):
+            path = layer_path(directory, i)
+            if not io.exists(path):
+                made.append(path)
+            fds.append(io.open(path, create=True))
+            opened.append(path)
+            io.allocate(fds[-1], offset, length)
+            io.pwrite(fds[-1], d, offset)
+        for fd in fds:
+            io.fsync(fd)
+        if created or made or not names_synced:
+            io.fsync_dir(directory)
+            io.fsync_dir(directory.parent)
+        fds, closing = [], fds
+        close_all(closing)
+    except OSError as e:
+        _undo(fds, opened, made, committed_end)
+        reraise_full(e, f"writing KV to {directory.name}")
+    return Written(offset, layers[0].shape[0], checksums, offset + length)
+
+
+def _undo(fds: list[int], opened: list[Path], made: list[Path], committed_end: int) -> None:
+    """After a failed append: remove the files it created, give back the space it reserved in the
+    others. Best effort: the error that made the append fail is the one reported."""
+    try:
+        close_all(fds)
+    except OSError:
+        pass
+    for path in opened:
+        try:
+            if path in made:
+                io.unlink(path)
+                continue
+            fd = io.open(path)
+            try:
+                if io.size(fd) > committed_end:
+                    io.truncate(fd, committed_end)
+            finally:
+                io.close(fd)
+        except OSError:
+            pass
+
+
+def truncate_uncommitted(directory: Path, committed_end: int) -> None:
+    """Drop bytes a killed writer left after the last committed extent (recovery on open)."""
+    for path in io.listdir(directory):
+        if path.name.endswith(".tmp"):
+            io.unlink(path)
+        elif LAYER_FILE.fullmatch(path.name) and io.file_size(path) > committed_end:  # a stat: opens are rarer
+            fd = io.open(path)
+            try:
+                if io.size(fd) > committed_end:
+                    io.truncate(fd, committed_end)
+                    io.fsync(fd)
+            finally:
+                io.close(fd)
+
+
+@dataclass
+class ExtentRead:
+    """One layer of one extent to read: `data` (a writable uint8 array) filled from `offset`, then
+    checked against `checksum` when one is given; `what` names the extent in errors."""
+
+    offset: int
+    data: np.ndarray
+    what: str
+    checksum: str | None = None
+
+
+def read_extent(directory: Path, layer: int, offset: int, nbytes: int, *, what: str,
+                checksum: str | None = None) -> np.ndarray:
+    """The raw bytes of one layer of an extent, checked against `checksum` when given; CorruptData
+    if the file is missing or short, or the bytes are not what was written."""
+    data = np.empty(nbytes, dtype=np.uint8)
+    read_extents_into(directory, layer, [ExtentRead(offset, data, what, checksum)])
+    return data
+
+
+def read_extents_into(directory: Path, layer: int, reads: list[ExtentRead]) -> None:
+    """Fill each read's `data` from one layer file, opened once, and check each one's checksum as
+    soon as it is read, while its bytes are still in the CPU's cache. CorruptData names the extent
+    and the file when the file is missing, short or truncated, or the bytes are not what was written."""
+    path = layer_path(directory, layer)
+    try:
+        fd = io.open_read(path)
+    except FileNotFoundError:
+        raise CorruptData(f"{reads[0].what}: file {path.name} is missing; the session cannot be restored "
+                          "(restore it from an export, or delete it)") from None
+    try:
+        size = io.size(fd)
+        for r in reads:
+            if size < r.offset + r.data.nbytes:
+                raise CorruptData(f"{r.what}: file {path.name} is truncated ({size} bytes, the extent needs "
+                                  f"{r.offset + r.data.nbytes}); the session cannot be restored")
+            if io.pread_into(fd, r.data, r.offset) != r.data.nbytes:
+                raise CorruptData(f"{r.what}: short read from {path.name}")
+            if r.checksum is not None:
+                verify(r.data, r.checksum, what=f"{r.what} ({directory.name}/{path.name})")
+    finally:
+        io.close(fd)
+
+
+def verify(data: np.ndarray, expected: str, *, what: str) -> None:
+    actual = codec.checksum(data)
+    if actual != expected:
+        raise CorruptData(f"{what}: checksum mismatch (stored {expected}, read {actual}); the bytes on disk "
+                          "were damaged. Run `kvstore verify` and restore the session from an export or a fork")

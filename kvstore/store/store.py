@@ -1,0 +1,316 @@
+"""The Store at rest: a home directory with the index and the KV files, and the verbs on whole sessions.
+
+`open_store(home=None, url=None)` finds the home (argument, $KVSTORE_HOME, click's app dir), opens
+the index (SQLite `kvstore.db` in the home unless `url` or $KVSTORE_INDEX names a PostgreSQL
+database), migrates it and checks that the two belong together (`identity`). Here sessions are
+created (`create`: rows at head 0), listed, described, forked without loading a model, deleted,
+garbage-collected, verified, exported, imported and packed; none of it loads torch. Writing a
+session (feeding it, generating) is a `kvstore.session.Session`, which the public `Store`
+(`kvstore.api`) opens on top of this one.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import delete, func, select
+from sqlalchemy.exc import DatabaseError, OperationalError
+from sqlalchemy.orm import Session as DB
+
+from ..defaults import DEFAULT_CHECKPOINT_EVERY, DEFAULT_CHUNK
+from ..engine.settings import SamplerSettings
+from ..errors import CorruptData, IndexUnavailable, ModelMismatch, SessionNotFound, StoreMissing
+from ..fileio import io, make_dir
+from .export import export_session
+from .gc import collect
+from .identity import bind_home
+from .import_archive import import_session
+from .index import (BlobRow, CheckpointRow, ExtentBlobRow, MessageRow, ModelRow, SegmentRow, SessionExtentRow,
+                    SessionRow, make_engine, shown_url, upgrade)
+from .locking import SessionLock
+from .pack import pack_session
+from .paths import home_dir, index_url
+from .progress import Progress
+from .records import (add_session, check_name, claim_name, fork_rows, kv_layout,
+                      read_tokens, register_model, token_bytes)
+from .segments import LAYER_FILE
+from .verify import verify_store
+
+NEW_NAME_TAKEN = "pick another name, `kvstore continue {name}` or `kvstore rm {name}`"
+
+
+@dataclass
+class SessionInfo:
+    name: str
+    id: str
+    model: str
+    model_source: str
+    dtype: str
+    n_tokens: int
+    n_cached: int
+    checkpoints: int
+    disk_bytes: int
+    parent: str | None
+    fork_position: int | None
+    forks: list[str]
+    seed: int
+    sampler: dict[str, Any]
+    chunk_size: int  # prefill chunk, in tokens (a checkpoint after each)
+    checkpoint_every: int  # generated tokens between automatic checkpoints
+    active_call: dict[str, Any] | None
+    created_at: str
+    updated_at: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+class Store:
+    def __init__(self, home: Path, url: str):
+        self.home = home
+        self.url = url
+        self.engine = make_engine(url)
+        self.sessions_dir = home / "sessions"
+        self.blobs_dir = home / "blobs"
+
+    # -- plumbing ------------------------------------------------------------------------------
+    def db(self) -> DB:
+        return DB(self.engine, expire_on_commit=False)
+
+    def session_dir(self, session_id: str) -> Path:
+        return self.sessions_dir / session_id
+
+    def still_there(self, session_id: str) -> bool:
+        """Does the session still exist (a reader without its lock may be overtaken by a delete)?"""
+        with self.db() as db:
+            return db.get(SessionRow, session_id) is not None
+
+    def row(self, db: DB, name: str) -> SessionRow:
+        """The session row of `name`; SessionNotFound, saying where to look, when there is none."""
+        check_name(name)
+        row = db.scalar(select(SessionRow).where(SessionRow.name == name))
+        if row is None:
+            raise SessionNotFound(f"no session named {name!r}; `kvstore list` shows the sessions in {self.home}")
+        return row
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # -- sessions ----------------------------------------------------------------------------------
+    def create(self, name: str, model, *, seed: int = 0, system: str | None = None, chunk_size: int | None = None,
+               checkpoint_every: int = DEFAULT_CHECKPOINT_EVERY, **sampling) -> str:
+        """A new, empty session for `model` (sampling settings as SamplerSettings fields; `chunk_size`
+        defaults to DEFAULT_CHUNK); returns its id. Writing to it is `kvstore.Store.new`'s job."""
+        check_name(name)
+        chunk_size = DEFAULT_CHUNK if chunk_size is None else chunk_size
+        settings = SamplerSettings.from_dict(sampling)
+        with self.db() as db, db.begin():
+            claim_name(db, name, NEW_NAME_TAKEN.format(name=name))
+            register_model(db, model)
+            row = add_session(db, name=name, model_fingerprint=model.fingerprint, dtype=model.dtype_name,
+                              kv_layout=kv_layout(model), seed=seed, sampler=settings.to_dict(), chunk_size=chunk_size,
+                              checkpoint_every=checkpoint_every, token_bytes=token_bytes(model), reason="new")
+            if system is not None:
+                db.add(MessageRow(session_id=row.id, ordinal=0, role="system", text=system, token_start=0,
+                                  token_end=0))
+            return row.id
+
+    def check_new_name(self, name: str) -> None:
+        """InvalidName or SessionExists (saying what to do) unless `name` is free for a new session: a
+        front end asks before it loads a model."""
+        with self.db() as db:
+            claim_name(db, name, NEW_NAME_TAKEN.format(name=name))
+
+    def check_writable(self, name: str) -> None:
+        """SessionBusy at once when another process is writing the session (before a model is loaded)."""
+        with self.db() as db:
+            row = self.row(db, name)
+        SessionLock(self.session_dir(row.id), name).acquire().release()
+
+    def resolve_model(self, name: str, device: str = "cpu"):
+        """Load the model a session was made with, from where it was loaded (fingerprint checked)."""
+        from ..engine.model import load_model  # torch: only a writer needs the model
+
+        with self.db() as db:
+            row = self.row(db, name)
+            model_row = db.get(ModelRow, row.model_fingerprint)
+        model = load_model(model_row.source, dtype=row.dtype, device=device, home=self.home)
+        if model.fingerprint != row.model_fingerprint:
+            raise ModelMismatch(f"session {name!r} was made with model {row.model_fingerprint[:12]} loaded from "
+                                f"{model_row.source}, but that file now has fingerprint {model.fingerprint[:12]}; "
+                                "pass the original model file")
+        return model
+
+    def names(self) -> list[str]:
+        with self.db() as db:
+            return list(db.scalars(select(SessionRow.name).order_by(SessionRow.name)))
+
+    def list(self) -> list[SessionInfo]:
+        return [self.info(n) for n in self.names()]
+
+    def info(self, name: str) -> SessionInfo:
+        with self.db() as db:
+            row = self.row(db, name)
+            model_row = db.get(ModelRow, row.model_fingerprint)
+            n_checkpoints = db.scalar(select(func.count()).select_from(CheckpointRow)
+                                      .where(CheckpointRow.session_id == row.id))
+            forks = list(db.scalars(select(SessionRow.name).where(SessionRow.parent_id == row.id)))
+            parent = db.scalar(select(SessionRow.name).where(SessionRow.id == row.parent_id)) if row.parent_id else None
+            return SessionInfo(
+                name=row.name, id=row.id, model=row.model_fingerprint, model_source=model_row.source,
+                dtype=row.dtype, n_tokens=row.n_tokens, n_cached=row.n_cached, checkpoints=n_checkpoints,
+                disk_bytes=self._disk_bytes(db, row.id), parent=parent, fork_position=row.fork_position,
+                forks=forks, seed=row.seed, sampler=dict(row.sampler), chunk_size=row.chunk_size,
+                checkpoint_every=row.checkpoint_every, active_call=row.active_call,
+                created_at=row.created_at.isoformat(timespec="seconds"),
+                updated_at=row.updated_at.isoformat(timespec="seconds"))
+
+    def _disk_bytes(self, db: DB, session_id: str) -> int:
+        """Bytes this session's own segment and the blobs of its extents occupy."""
+        seg = db.get(SegmentRow, session_id)
+        raw = 0
+        directory = self.session_dir(session_id)
+        if seg is not None:
+            raw = sum(io.file_size(p) for p in io.listdir(directory) if LAYER_FILE.fullmatch(p.name))
+        packed = db.scalar(select(func.coalesce(func.sum(BlobRow.size), 0))
+                           .where(BlobRow.hash.in_(select(ExtentBlobRow.blob_hash)
+                                                   .join(SessionExtentRow,
+                                                         SessionExtentRow.extent_id == ExtentBlobRow.extent_id)
+                                                   .where(SessionExtentRow.session_id == session_id))))
+        return raw + int(packed or 0)
+
+    def messages(self, name: str) -> list[MessageRow]:
+        with self.db() as db:
+            row = self.row(db, name)
+            return list(db.scalars(select(MessageRow).where(MessageRow.session_id == row.id)
+                                   .order_by(MessageRow.ordinal)))
+
+    def tokens(self, name: str) -> list[int]:
+        with self.db() as db:
+            return read_tokens(db, self.row(db, name).id)
+
+    def history(self, name: str) -> list[dict[str, Any]]:
+        """The text of a session in order: its chat messages, and the spans no message covers (raw
+        text) decoded as role "text"; each a dict of role, text, token_start, token_end."""
+        messages = [{"role": m.role, "text": m.text, "token_start": m.token_start, "token_end": m.token_end}
+                    for m in self.messages(name)]
+        tokens = self.tokens(name)
+        covered = sorted((m["token_start"], m["token_end"]) for m in messages if m["token_end"] > m["token_start"])
+        gaps, at = [], 0
+        for a, b in covered + [(len(tokens), len(tokens))]:
+            if a > at:
+                gaps.append((at, a))
+            at = max(at, b)
+        if not gaps:
+            return messages
+        from ..engine.model import load_tokenizer  # only raw text needs one (and with it torch)
+        from ..errors import ModelError
+
+        source = self.info(name).model_source
+        try:
+            tokenizer = load_tokenizer(source)
+        except ModelError as e:
+            raise ModelError(f"{e}; the raw text of session {name!r} cannot be decoded without its model") from None
+        raw = [{"role": "text", "text": tokenizer.decode(tokens[a:b], skip_special=True), "token_start": a,
+                "token_end": b} for a, b in gaps]
+        return sorted(messages + raw, key=lambda e: (e["token_start"], e["token_end"]))
+
+    def fork(self, name: str, new_name: str, at: int | None = None) -> None:
+        """Create `new_name` from the first `at` tokens of `name` (all when None), sharing its KV on disk."""
+        with self.db() as db, db.begin():
+            parent = self.row(db, name)
+            fork_rows(db, parent, new_name, at)
+
+    def delete(self, name: str) -> None:
+        """Remove a session (its forks keep what they share with it); files go once unreferenced."""
+        with self.db() as db:
+            row = self.row(db, name)
+        lock = SessionLock(self.session_dir(row.id), name).acquire()
+        try:
+            with self.db() as db, db.begin():
+                db.execute(delete(SessionRow).where(SessionRow.id == row.id))
+        finally:
+            lock.release()
+        self.gc()
+
+    def gc(self) -> dict[str, int]:
+        """Delete the files and rows no session refers to any more; counts of what went."""
+        return collect(self)
+
+    def verify(self, name: str | None = None, *, progress: Progress | None = None) -> dict[str, list[str]]:
+        """Problems per session (empty lists when sound); `progress(done, total)` gets KV bytes checked."""
+        return verify_store(self, name, progress)
+
+    def export(self, name: str, path: str | os.PathLike, *, progress: Progress | None = None) -> dict[str, Any]:
+        """Write one archive; `progress(done, total)` gets KV bytes after each extent."""
+        return export_session(self, name, Path(path), progress)
+
+    def import_(self, path: str | os.PathLike, name: str | None = None, model=None, *,
+                progress: Progress | None = None) -> str:
+        """Verify an archive fully, then commit it as a new session; `progress` gets KV bytes verified."""
+        return import_session(self, Path(path), name, model, progress)
+
+    def pack(self, name: str, *, progress: Progress | None = None) -> dict[str, int]:
+        """Pack a paused session without loading its model; `progress` gets KV bytes packed."""
+        with self.db() as db:
+            row = self.row(db, name)
+        lock = SessionLock(self.session_dir(row.id), name).acquire()
+        try:
+            return pack_session(self, row.id, name, progress)
+        finally:
+            lock.release()
+
+
+def open_store(home: str | os.PathLike | None = None, url: str | None = None, *, factory=None) -> "Store":
+    """Open (creating if needed) the store in `home`; its index is `url` (else $KVSTORE_INDEX), or
+    else the SQLite file `home/kvstore.db`. Session files always live in the home. `factory`: the
+    class to make (a subclass of Store; `kvstore.api.Store` adds the writers)."""
+    root = home_dir(home)
+    make_dir(root)
+    sessions = root / "sessions"
+    has_sessions = bool(io.listdir(sessions))
+    url = index_url(url)
+    if url is None:
+        db_file = root / "kvstore.db"
+        if not io.exists(db_file) and has_sessions:
+            raise StoreMissing(f"{db_file} is missing but {sessions} holds session files; the index was deleted "
+                               "or moved. Restore kvstore.db, or move the sessions folder away to start afresh")
+        url = f"sqlite:///{db_file}"
+    store = (factory or Store)(root, url)
+    try:
+        if has_sessions and _schema_revision(store.engine) is None:  # never let a gc see an empty index here
+            raise StoreMissing(f"the index of {root} ({shown_url(store.engine)}) is empty but {sessions} holds "
+                               "session files; it was truncated or replaced, or is another database. Restore it, "
+                               "or move the sessions folder away to start afresh")
+        make_dir(sessions)
+        upgrade(store.engine)
+        bind_home(store)
+    except DatabaseError as e:
+        store.close()
+        if isinstance(e, OperationalError):  # locked, I/O error, disk full, server down: not damage
+            if store.engine.dialect.name != "sqlite":
+                raise IndexUnavailable(f"cannot use the index database {shown_url(store.engine)} "
+                                       f"({' '.join(str(e.orig).split())}); check that the server runs and that "
+                                       "the URL (--index, $KVSTORE_INDEX) is right") from e
+            raise
+        raise CorruptData(f"the index of {root} is damaged ({e.orig}); restore kvstore.db from a backup") from e
+    except BaseException:
+        store.close()
+        raise
+    return store
+
+
+def _schema_revision(engine) -> str | None:
+    from alembic.runtime.migration import MigrationContext
+
+    with engine.connect() as conn:
+        return MigrationContext.configure(conn).get_current_revision()

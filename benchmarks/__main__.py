@@ -1,13 +1,15 @@
 """kvstore against what people would use instead: one suite, one report.
 
-    python -m benchmarks run              # full suite (~15 min on 2 cores): writes benchmarks/REPORT.md + plots/
+    python -m benchmarks run              # full suite (~15 min on 2 cores): publishes (below)
     python -m benchmarks run --quick      # CI-sized (< 3 min): writes into benchmarks/out/
-    python -m benchmarks report [--results benchmarks/out/results.json] [--dest DIR] [--readme README.md]
+    python -m benchmarks report [--results benchmarks/results.json] [--dest DIR] [--readme README.md]
 
 `run` loads SmolLM2-135M-Instruct in bfloat16 on --threads threads for kvstore and Hugging Face
 transformers (and llama.cpp's own Q4_1 run when llama-cpp-python is installed), measures
 alternately (A B A B) and writes every repetition to results.json, then the report from it.
-`report` rebuilds the report from a results.json (and, with --readme, the README's table).
+A full run with the peers publishes: benchmarks/results.json (and a copy per CPU model in
+benchmarks/results/), benchmarks/REPORT.md with plots/, and the README's Benchmarks section, all
+from that one results.json. `report` rebuilds them from a results.json.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--dest", type=Path,
                      help="where REPORT.md and plots/ go (default: benchmarks/ for a full run with the peers, else --out)")
     rep = sub.add_parser("report", help="write REPORT.md and plots from a results.json")
-    rep.add_argument("--results", type=Path, default=OUT / "results.json")
+    rep.add_argument("--results", type=Path, default=HERE / "results.json")
     rep.add_argument("--dest", type=Path, default=HERE)
     rep.add_argument("--readme", type=Path, help="also put the summary table into this README's Benchmarks section")
     args = p.parse_args(argv)
@@ -56,9 +58,24 @@ def main(argv: list[str] | None = None) -> int:
         return write_report(json.loads(args.results.read_text()), args.dest, args.readme)
     results = run_suite(args)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
-    published = not (args.quick or args.no_peers)  # only a full run with the peers replaces the committed report
-    return write_report(results, args.dest or (HERE if published else args.out), None)
+    text = json.dumps(results, indent=1) + "\n"
+    (args.out / "results.json").write_text(text)
+    if args.quick or args.no_peers or args.dest is not None:  # only a full run with the peers is published
+        return write_report(results, args.dest or args.out, None)
+    return publish(results, text)
+
+
+def publish(results: dict, text: str) -> int:
+    """The committed figures, all from one results.json: it, its copy for this CPU model, the report
+    and its plots, and the README's Benchmarks section."""
+    from . import report
+
+    (HERE / "results.json").write_text(text)
+    per_cpu = HERE / "results" / f"{report.cpu_slug(results)}.json"
+    per_cpu.parent.mkdir(exist_ok=True)
+    per_cpu.write_text(text)
+    print(f"results: {HERE / 'results.json'} (and {per_cpu.relative_to(HERE.parent)})")
+    return write_report(results, HERE, HERE.parent / "README.md")
 
 
 def write_report(results: dict, dest: Path, readme: Path | None) -> int:
@@ -215,7 +232,15 @@ def machine() -> dict:
     return {"cpu": field(cpuinfo, "model name", ":") or platform.processor() or platform.machine(),
             "cores": os.cpu_count(), "ram_bytes": int(ram.split()[0]) * 1024 if ram else 0,
             "os": f"{os_name}, kernel {platform.release()}" if os_name else platform.platform(terse=True),
-            "arch": platform.machine(), "amx_bf16": any(" amx_bf16" in ln for ln in cpuinfo if ln.startswith("flags"))}
+            "arch": platform.machine(), "flags": cpu_flags(cpuinfo)}
+
+
+def cpu_flags(cpuinfo: list[str]) -> list[str]:
+    """The CPU's flags that choose kernels (report.CPU_FLAGS), in that order."""
+    from .report import CPU_FLAGS
+
+    present = next((set(ln.split(":", 1)[1].split()) for ln in cpuinfo if ln.startswith("flags")), set())
+    return [flag for flag in CPU_FLAGS if flag in present]
 
 
 def versions() -> dict:

@@ -1,4 +1,4 @@
-"""Where kvstore keeps its files: the home directory and the folders inside it."""
+"""Where a store is: its home directory and its index database (models are the user's: `engine.pull`)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,3 @@ def home_dir(home: str | os.PathLike | None = None) -> Path:
 def index_url(url: str | None = None) -> str | None:
     """The index's database URL: the argument, else $KVSTORE_INDEX, else None (the home's SQLite file)."""
     return url or os.environ.get(ENV_INDEX) or None
-
-
-def models_dir(home: str | os.PathLike | None = None) -> Path:
-    return home_dir(home) / "models"

@@ -95,7 +95,12 @@ def split(data: bytes) -> tuple[dict, bytes]:
     return json.loads(data[HEADER.size:HEADER.size + length]), data[HEADER.size + length:]
 
 
-def join(manifest, payload: bytes, *, version: int = 1, flags: int = 0) -> bytes:
+def join(manifest, payload: bytes, *, version: int | None = None, flags: int = 0) -> bytes:
+    """An archive of `manifest` and `payload`; the header's version is the manifest's unless given (a
+    mismatch is refused by itself, which would hide what a test forges)."""
+    if version is None:
+        version = manifest.get("version", 4) if isinstance(manifest, dict) else 4
+        version = version if isinstance(version, int) and not isinstance(version, bool) and 0 <= version < 2 ** 32 else 4
     body = json.dumps(manifest).encode()  # ensure_ascii: lone surrogates travel as \ud800 escapes
     return HEADER.pack(MAGIC, version, flags, len(body), xxhash.xxh3_64_intdigest(body)) + body + payload
 

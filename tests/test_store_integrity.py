@@ -232,7 +232,9 @@ def test_an_export_clears_what_a_killed_export_to_the_same_file_left(saved, tmp_
     assert kvstore.open_store(tmp_path / "other").import_(tmp_path / "s.kvs") == "s"
 
 
-def _write_archive(path: Path, manifest, payload: bytes, version: int = 1) -> None:
+def _write_archive(path: Path, manifest, payload: bytes, version: int | None = None) -> None:
+    """An archive of `manifest` and `payload`, its header's version the manifest's unless given."""
+    version = manifest["version"] if version is None else version
     body = json.dumps(manifest).encode()
     path.write_bytes(HEADER.pack(MAGIC, version, 0, len(body), xxhash.xxh3_64_intdigest(body)) + body + payload)
 
@@ -324,6 +326,16 @@ def test_a_lost_last_token_state_is_corrupt_data_on_open_and_in_verify(prefilled
     with pytest.raises(CorruptData, match="6 bytes"):
         prefilled.open("s", model)
     assert "has 6 bytes" in prefilled.verify()["s"][0]
+
+
+def test_an_archive_whose_header_and_manifest_disagree_on_the_version_is_refused(saved, tmp_path):
+    saved.export("s", tmp_path / "s.kvs")
+    manifest, payload = _archive_parts(tmp_path / "s.kvs")
+    _write_archive(tmp_path / "mixed.kvs", manifest, payload, version=3)  # the manifest says 4
+    other = kvstore.open_store(tmp_path / "other")
+    with pytest.raises(CorruptData, match="header says format version 3, the manifest 4"):
+        other.import_(tmp_path / "mixed.kvs")
+    assert other.names() == []
 
 
 def test_archive_magic_version_and_damage(saved, tmp_path):

@@ -72,6 +72,10 @@ def read_manifest(path: Path) -> tuple[dict[str, Any], int, int]:
         json.dumps(manifest, ensure_ascii=False).encode()  # JSON escapes can spell lone surrogates
     except (UnicodeError, ValueError, RecursionError) as e:
         raise CorruptData(f"{path.name}: the manifest is not valid JSON text ({e})") from e
+    if not isinstance(manifest, dict) or manifest.get("version") != version:
+        raise CorruptData(f"{path.name}: the header says format version {version}, the manifest "
+                          f"{manifest.get('version') if isinstance(manifest, dict) else 'nothing'}; the archive is "
+                          "damaged or forged")
     return manifest, HEADER.size + length, size - HEADER.size - length
 
 

@@ -19,6 +19,7 @@ import-linter contracts check it.
 from importlib import import_module
 
 from . import errors
+from .defaults import VERSION as __version__
 from .engine.pull import pull  # eager: the function shares its module's name (and needs no torch)
 
 _WHERE = {
@@ -32,7 +33,6 @@ _WHERE = {
 }
 
 __all__ = ["errors", "pull", *_WHERE]
-__version__ = "0.1.0"
 
 
 def __getattr__(name: str):

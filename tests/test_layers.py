@@ -38,3 +38,12 @@ def test_an_upward_import_breaks_the_layers_contract(tmp_path):
     done = lint(tmp_path)
     assert done.returncode != 0
     assert "kvstore.engine.cache -> kvstore.store.records" in done.stdout
+
+
+def test_the_version_is_said_once_more_in_pyproject_and_nowhere_else():
+    import tomllib
+
+    import kvstore
+    from kvstore.defaults import VERSION
+
+    assert tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"] == VERSION == kvstore.__version__

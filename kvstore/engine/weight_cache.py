@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import xxhash
 
+from ..defaults import VERSION
 from ..fileio import PLAIN, atomic_write
 
 FORMAT = "1"
@@ -32,9 +33,7 @@ MAGIC = "kvstore.converted-weights"
 
 
 def entry_path(models: Path, source: Path, dtype: torch.dtype, source_hash: str) -> Path:
-    from .. import __version__
-
-    key = xxhash.xxh3_64(f"{FORMAT}|{__version__}|{dtype}|{source_hash}".encode()).hexdigest()
+    key = xxhash.xxh3_64(f"{FORMAT}|{VERSION}|{dtype}|{source_hash}".encode()).hexdigest()
     return models / "cache" / f"{source.stem}-{_dtype_name(dtype)}-{key}.safetensors"
 
 

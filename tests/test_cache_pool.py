@@ -88,3 +88,16 @@ def test_a_closed_sequence_keeps_its_tokens_and_recomputes_from_them(model):
     seq.close()
     assert seq.tokens == ids and seq.cache.length == 0 and seq.pending == ids
     assert torch.equal(seq.next_logits(), first)
+
+
+def test_memory_pooled_by_a_forward_is_ordinary_memory_for_its_next_user():
+    """A cache that grows inside a forward (inference mode) pools buffers that later users write
+    outside it (a fork's `load`, a test's `fill_`): they must not be inference tensors."""
+    POOL.clear()
+    cache = KVCache(2, 1, 4, dtype=torch.bfloat16, capacity=0)
+    with torch.inference_mode():
+        cache.reserve(300)
+    cache.release()
+    assert POOL.held > 0 and not any(buf.is_inference() for buf in POOL._free)
+    for buf in POOL._free:
+        buf.fill_(7)  # outside inference mode: allowed on ordinary tensors only

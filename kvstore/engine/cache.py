@@ -35,7 +35,14 @@ def with_room(n_tokens: int) -> int:
     return n_tokens + HEADROOM
 
 
-POOL = BufferPool(limit=512 << 20, new=lambda n: torch.empty(n, dtype=torch.uint8))  # flat uint8 CPU tensors
+def _new_buffer(nbytes: int) -> torch.Tensor:
+    """A flat uint8 CPU buffer that is a normal tensor even when a forward (under inference mode)
+    grows a cache: pooled memory outlives that forward, and its next user may write it anywhere."""
+    with torch.inference_mode(False):
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+
+POOL = BufferPool(limit=512 << 20, new=_new_buffer)  # flat uint8 CPU tensors
 
 
 class KVCache:

@@ -146,7 +146,7 @@ class Session:
 
     def finish_prefill(self, *, progress: Progress | None = None) -> None:
         """Feed the pending tokens (a prefill that was killed, say), a checkpoint after each chunk."""
-        total = len(self.seq.tokens) - 1
+        total = len(self.seq.tokens)
         for done in self.seq.prefill():
             self.checkpoint("prefill")
             if progress is not None:

@@ -1,5 +1,6 @@
 """The docs agree with the code: every command has help, the README's CLI reference is `--help`
-verbatim, the README's library example runs, and the scripts it names exist."""
+verbatim, the scripts and examples it names exist, its code map names every module. (Its code
+blocks run in tests/test_readme.py.)"""
 
 from __future__ import annotations
 
@@ -68,17 +69,36 @@ def test_scripts_parse():
         subprocess.run(["bash", "-n", str(ROOT / script)], check=True)
 
 
-def test_readme_library_example_runs(tiny, tmp_path, monkeypatch):
-    """The README's Python example, with the tiny model and a short text in place of SmolLM2's."""
-    block = re.search(r"## Library\n\n```python\n(.*?)```", README, re.S).group(1)
-    folder = str(tiny("llama-gqa").folder)
-    code = block.replace('"smollm2"', repr(folder)).replace("max_new_tokens=200", "max_new_tokens=8")
-    assert code != block
-    monkeypatch.chdir(tmp_path)
-    (tmp_path / "stdlib.txt").write_text("heapq\n-----\nHeap queue algorithm (a.k.a. priority queue).\n")
-    exec(compile(code, "README.md", "exec"), {"__name__": "readme"})
-    import kvstore
+# How the README's code map (section "Development") names a module of each folder.
+CODE_MAP = {
+    "kvstore": lambda p: {p.stem, f"kvstore/{p.name}"},
+    "kvstore/engine": lambda p: {p.stem},
+    "kvstore/engine/models": lambda p: {f"models/{p.name}"},
+    "kvstore/engine/native": lambda p: {"native/"},
+    "kvstore/store": lambda p: {p.stem},
+    "cli": lambda p: {p.stem},
+}
+NOT_IN_CODE_MAP = {"kvstore/engine/__init__.py", "kvstore/engine/models/__init__.py", "kvstore/store/__init__.py",
+                   "cli/__init__.py", "cli/__main__.py"}
 
-    store = kvstore.open_store()
-    assert store.names() == ["stdlib", "stdlib-q0", "stdlib-q1"]
-    assert all(len(store.messages(f"stdlib-q{i}")) == 2 for i in range(2))
+
+def code_map(readme: str) -> str:
+    start = readme.index("- The code, in layers")
+    return readme[start:readme.index("\n- ", start)]
+
+
+def test_readme_code_map_names_every_module_and_only_real_ones():
+    text = code_map(README)
+    named = set(re.findall(r"`([^`\s]+)`", text))
+    packages = {p.parent.relative_to(ROOT).as_posix() for p in (ROOT / "kvstore").rglob("__init__.py")}
+    assert packages <= set(CODE_MAP), f"packages CODE_MAP does not cover: {sorted(packages - set(CODE_MAP))}"
+    for folder, spellings in CODE_MAP.items():
+        for path in sorted((ROOT / folder).glob("*.py")):
+            rel = path.relative_to(ROOT).as_posix()
+            if rel not in NOT_IN_CODE_MAP:
+                assert spellings(path) & named, f"README's code map (Development) does not name {rel}"
+    for folder in ("kvstore/engine", "kvstore/store"):  # their bullets list modules only
+        bullet = re.search(rf"- `{folder}/`:(.*?)(?:\n  - |\Z)", text, re.S)[1]
+        for name in re.findall(r"`([^`\s]+)`", bullet):
+            assert (ROOT / folder / name).is_dir() or (ROOT / folder / f"{name}.py").is_file() \
+                or (ROOT / folder / name).is_file(), f"README's code map names {folder}/{name}, which does not exist"

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Quick start, from a fresh clone:
-#   1. a virtual environment with the CPU build of torch, then kvstore itself;
-#   2. the default model (SmolLM2-135M-Instruct, ~100 MB, checksums verified);
-#   3. a session over a real text (the standard library's docstrings, ~2,000 tokens): read it once,
+#   1. a virtual environment with torch 2.13.0 first (the README says how to get its CPU build),
+#      then kvstore itself;
+#   2. the default model (SmolLM2-135M-Instruct, ~100 MB, checksums verified), into the per-user
+#      models folder (once per machine);
+#   3. a session over a real text (the standard library's docstrings, ~2,300 tokens): read it once,
 #      generate a little, and stop (the process exits; the session is on disk);
 #   4. resume it in a new process: the KV cache is loaded, not recomputed, and generation goes on;
 #   5. the time that saved.
@@ -10,17 +12,17 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${KVSTORE_VENV:-.venv}"
-CHARS="${QUICKSTART_CHARS:-8000}"   # ~2,000 tokens of text
+CHARS="${QUICKSTART_CHARS:-8000}"   # ~2,300 tokens of text
 NEW_TOKENS="${QUICKSTART_TOKENS:-24}"
 
 step() { printf '\n== %s\n' "$*"; }
 shown() { printf '$ %s\n' "$*"; }
 
-step "1. virtual environment ($VENV): CPU torch first, then kvstore"
+step "1. virtual environment ($VENV): torch first, then kvstore"
 [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
 pip() { "$VENV/bin/python" -m pip install -q --disable-pip-version-check "$@"; }
 pip --upgrade pip
-pip torch==2.13.0   # the CPU build; see the README if your pip would pick a CUDA one
+pip torch==2.13.0   # before kvstore, so kvstore's own install keeps it; the README says how to get the CPU build
 pip -e .
 export PATH="$PWD/$VENV/bin:$PATH"
 

@@ -141,7 +141,7 @@ class Trained:
 
 
 # the tests' size: the default's kind (GQA, rotary, RMSNorm, SwiGLU), 2 layers instead of 4, half the
-# context: about 8 s on one thread here
+# context: about 10 s on one thread here
 TRAINED_FOR_TESTS = dict(vocab_size=400, hidden_size=64, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=128,
                          context=128, steps=600, batch=4, lr=4e-3, short_steps=0.8, seed=0)
 

@@ -26,9 +26,9 @@ OPTIONS = {  # Settings field -> (flag, help)
     "n_heads": ("--heads", "attention heads"),
     "n_kv_heads": ("--kv-heads", "key/value heads (grouped-query attention: fewer than --heads)"),
     "intermediate_size": ("--ffn-size", "width of the SwiGLU feed-forward layer"),
-    "context": ("--context", "tokens per training window, and the model's context"),
+    "context": ("--context", "the model's context, and its longest training window, in tokens"),
     "steps": ("--steps", "optimizer steps"),
-    "batch": ("--batch", "windows per step"),
+    "batch": ("--batch", "windows of the whole context per step (twice as many halves in the short steps)"),
     "lr": ("--lr", "peak learning rate (AdamW; warm-up, then cosine decay)"),
     "short_steps": ("--short-steps", "share of the steps on windows of half the context, twice as many"),
     "seed": ("--seed", "seed of the initial weights, the windows and the document order"),
@@ -37,18 +37,19 @@ OPTIONS = {  # Settings field -> (flag, help)
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m kvstore.train", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m kvstore.train",
+                                description="Train kvstore's tiny model and write its Hugging Face folder.")
     p.add_argument("--text", metavar="FILE", type=Path,
-                   help="train on this UTF-8 text (default: the standard library's docstrings, "
-                        "examples/stdlib_text.py's text)")
+                   help="train on this UTF-8 text [default: the standard library's docstrings, as "
+                        "examples/stdlib_text.py prints them]")
     p.add_argument("--out", metavar="DIR", type=Path, default=Path("tiny-model"),
-                   help="folder to write (new, empty, or one written by this command)")
+                   help="folder to write: new, empty, or one written by this command [default: tiny-model]")
     defaults = Settings()
     for f in fields(Settings):
         flag, help_ = OPTIONS[f.name]
-        p.add_argument(flag, dest=f.name, type=type(getattr(defaults, f.name)), default=getattr(defaults, f.name),
-                       help=help_)
+        default = getattr(defaults, f.name)
+        p.add_argument(flag, dest=f.name, type=type(default), default=default, help=f"{help_} [default: {default}]",
+                       metavar="N" if isinstance(default, int) else "X")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar and no report")
     return p
 

@@ -1,5 +1,5 @@
-"""Shared fixtures: a private kvstore home per test, tiny random models, the real SmolLM2 GGUF, a
-PostgreSQL server for the index tests on that database.
+"""Shared fixtures: a private kvstore home per test, tiny random models, the tiny trained model, the
+real SmolLM2 GGUF, a PostgreSQL server for the index tests on that database.
 
 Tiny models are built once per test session, on first use (see `engine_models.py`). The per-user
 models folder ($KVSTORE_MODELS: pulled models, converted weights, file hashes) is one temporary
@@ -15,6 +15,7 @@ import shutil
 import sys
 import tempfile
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -129,6 +130,31 @@ def tiny(tmp_path_factory, tiny_tokenizer):
         return built[name]
 
     return get
+
+
+# -- the tiny trained model ----------------------------------------------------------------------
+@dataclass
+class Trained:
+    folder: Path  # the Hugging Face folder
+    result: object  # kvstore.train.Result: settings, weights (trained and initial), losses
+    docs: list  # the documents it was trained on (kvstore.train.Document)
+
+
+# the tests' size: the default's kind (GQA, rotary, RMSNorm, SwiGLU), 2 layers instead of 4, half the
+# context: about 10 s on one thread here
+TRAINED_FOR_TESTS = dict(vocab_size=400, hidden_size=64, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=128,
+                         context=128, steps=600, batch=4, lr=4e-3, short_steps=0.8, seed=0)
+
+
+@pytest.fixture(scope="session")
+def trained(tmp_path_factory) -> Trained:
+    """The tiny model trained here (`kvstore.train`) at the tests' size on the standard library's
+    docstrings, once per session (one thread, seed 0)."""
+    from kvstore.train import Settings, train_folder
+
+    folder = tmp_path_factory.mktemp("trained") / "model"
+    result, docs = train_folder(folder, Settings(**TRAINED_FOR_TESTS))
+    return Trained(folder, result, docs)
 
 
 # -- the real model ------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The examples run, at small sizes with a tiny model, so that they cannot rot."""
+"""The examples run, at small sizes with a tiny model (random, or the trained one), so that they cannot rot."""
 
 from __future__ import annotations
 
@@ -56,3 +56,11 @@ def test_crash_recover(model_dir, tmp_path):
     out = run(["bash", str(EXAMPLES / "crash_recover.sh")], tmp_path, KVSTORE=str(kvstore), KVSTORE_MODEL=model_dir,
               N="60", PROMPT="hello there")
     assert "killed after" in out and "identical: every token" in out
+
+
+def test_tiny_model_on_the_trained_model(trained, tmp_path):
+    out = run([sys.executable, str(EXAMPLES / "tiny_model.py"), "--model", str(trained.folder), "--max-new-tokens", "40",
+               "-q", "heapq.merge", "-q", "json.dumps"], tmp_path)
+    assert re.search(r"raw: .* \[stopped by: (stop|eos|length)\]", out)
+    assert out.count("assistant: ") == 2 and re.search(r"tokens, ended by (its end of turn|the length limit)", out)
+    assert "identical to the uninterrupted reply" in out

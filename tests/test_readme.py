@@ -109,6 +109,7 @@ RUN = {
     "library": Kind("Library", "python", "kvstore.open_store(", "test_library_example"),
     "commands": Kind("Using the command", "bash", "kvstore new notes", "test_using_the_command"),
     "quickstart": Kind("Quick start", "bash", "kvstore new quickstart", "test_quick_start_commands"),
+    "training": Kind("Training the tiny model", "bash", "python -m kvstore.train", "test_training_the_tiny_model"),
 }
 NOT_RUN = (
     Kind("Quick start", "bash", "bash scripts/quickstart.sh",
@@ -257,8 +258,9 @@ def test_library_example(workdir, capsys):
     written = re.fullmatch(r"python examples/\S+\.py \d+ > (\S+)", command)[1]
     assert f'open("{written}")' in code
     (workdir / "examples").symlink_to(ROOT / "examples")
-    (workdir / "bin").mkdir()
-    (workdir / "bin" / "python").symlink_to(sys.executable)
+    (workdir / "bin").mkdir()  # `python` is this interpreter, with its environment (a link would lose it)
+    (workdir / "bin" / "python").write_text(f"#!/bin/sh\nexec {shlex.quote(sys.executable)} \"$@\"\n")
+    (workdir / "bin" / "python").chmod(0o755)
     subprocess.run(["bash", "-c", command], cwd=workdir, check=True, timeout=60,
                    env={**os.environ, "PATH": f"{workdir / 'bin'}{os.pathsep}{os.environ['PATH']}"})
     text = (workdir / written).read_text(encoding="utf-8")
@@ -459,3 +461,31 @@ def test_quick_start_commands(workdir, tokens_of):
         "kvstore continue quickstart --max-new-tokens 24 --verbose": continue_,
     })
     assert len(ran) == 2 and skipped == []  # as written: their -n is already small
+
+
+# The README trains the default size (about half a minute here); the test trains the tests' shape for
+# a few steps: what it checks is that each command runs as written and what it writes loads and runs.
+TRAIN_HERE = ["--layers", "2", "--context", "128", "--vocab-size", "400", "--ffn-size", "128", "--steps", "40", "-q"]
+
+
+def test_training_the_tiny_model(workdir):
+    """The three lines as written, in order: train (here smaller and shorter), a session on the
+    folder through the `kvstore` command, and the example on it (which checks its own resume)."""
+    lines = [shlex.split(line, comments=True) for line in the_block("training").text.splitlines()]
+    lines = [words for words in lines if words]
+    assert [" ".join(w) for w in lines] == ["python -m kvstore.train --out tiny-model",
+                                            "kvstore new demo --model tiny-model --prompt heapq.merge",
+                                            "python examples/tiny_model.py --model tiny-model"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    subprocess.run([sys.executable, *lines[0][1:], *TRAIN_HERE], cwd=workdir, check=True, timeout=300, env=env)
+    assert kvstore.load_model(workdir / "tiny-model").config.n_layers == 2
+
+    result = CliRunner().invoke(cli, [*lines[1][1:], "-n", str(SHORT)], prog_name="kvstore")
+    assert result.exit_code == 0, result.output
+    ((user, asked), (assistant, reply)) = turns("demo")
+    assert (user, asked, assistant) == ("user", "heapq.merge", "assistant") and result.stdout.strip() == reply.strip()
+
+    done = subprocess.run([sys.executable, str(ROOT / lines[2][1]), *lines[2][2:]], cwd=workdir, timeout=300,
+                          env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "identical to the uninterrupted reply" in done.stdout

@@ -12,8 +12,9 @@ own (`store.new` + `append_tokens`). Then, on that store:
 - a page: `store.page(PAGE, after=...)` at random cursors (median), the first page (it holds the
   document, whose record lists every fork), `count()`, and `list()` of everything;
 - open: `store.open` of random forks and small sessions, warm (after a first open);
-- the CLI, one process per call: `kvstore list --limit PAGE` in this store against `kvstore list`
-  in a store of one session, alternating; `kvstore list` and `--json` of everything;
+- the CLI, one process per call: `kvstore list --limit PAGE --after NAME` at random cursors in this
+  store against `kvstore list` in a store of one session, alternating; the first page (it holds
+  the document, whose record lists every fork); `kvstore list` and `--json` of everything;
 - gc: `store.gc()` with nothing to collect (its scan of the store) and `store.delete` of small
   sessions (each runs a gc that has work), per session and per GB on disk;
 - verify: `store.verify()` of every session, per session and per GB of KV read, and how many
@@ -60,7 +61,7 @@ def run(model, cfg: dict, workdir: Path, log=print) -> dict:
             f"{out['listing']['first_page_s'] * 1e3:.0f} ms; list() of {len(names):,}: {out['listing']['list_all_s']:.1f} s")
         out["open"] = opens(store, model, forks, small, cfg, rng)
         log(f"  open: fork {out['open']['fork_s']['median'] * 1e3:.1f} ms, small {out['open']['small_s']['median'] * 1e3:.1f} ms")
-        out["cli"] = cli(store, model, cfg, workdir)
+        out["cli"] = cli(store, model, names, cfg, workdir, rng)
         log(f"  CLI: list --limit {cfg['page']} {out['cli']['page_s']['median']:.2f} s vs one-session store "
             f"{out['cli']['one_s']['median']:.2f} s; everything {out['cli']['all_s']:.1f} s")
         out["verify"] = verify(store, forks)
@@ -131,19 +132,22 @@ def kvstore_cli(home: Path, *args: str) -> float:
     return time.perf_counter() - start
 
 
-def cli(store, model, cfg: dict, workdir: Path) -> dict:
-    """`kvstore list --limit PAGE` here vs `kvstore list` in a store of one session, alternating."""
+def cli(store, model, names: list[str], cfg: dict, workdir: Path, rng: random.Random) -> dict:
+    """`kvstore list --limit PAGE --after NAME` (random cursors) here vs `kvstore list` in a store of
+    one session, alternating; and the first page, which holds the document: its record lists every
+    fork, so that page costs what its records hold, not what the store holds."""
     import kvstore
 
     one_home = workdir / "one-session-home"
     with kvstore.open_store(one_home) as one, one.new("only", model) as s:
         s.append_tokens(corpus_ids(model.tokenizer, SMALL_TOKENS))
-    home = Path(store.home)
-    page, single = [], []
-    for _ in range(cfg["cli_reps"]):
-        page.append(kvstore_cli(home, "list", "--limit", str(cfg["page"])))
+    home, limit = Path(store.home), str(cfg["page"])
+    page, first, single = [], [], []
+    for cursor in rng.sample(names, cfg["cli_reps"]):
+        page.append(kvstore_cli(home, "list", "--limit", limit, "--after", cursor))
         single.append(kvstore_cli(one_home, "list"))
-    return {"page_s": spread(page), "one_s": spread(single),
+        first.append(kvstore_cli(home, "list", "--limit", limit))
+    return {"page_s": spread(page), "one_s": spread(single), "first_page_s": spread(first),
             "ratios": spread([a / b for a, b in zip(page, single)]),
             "ratio": statistics.median(page) / statistics.median(single),
             "all_s": kvstore_cli(home, "list"), "all_json_s": kvstore_cli(home, "list", "--json")}

@@ -57,15 +57,18 @@ def run(model, cfg: dict, workdir: Path, log=print) -> dict:
         forks = [n for n in names if n.startswith("doc-")]
         small = [n for n in names if n.startswith("small-")]
         out["listing"] = listing(store, names, cfg, rng)
-        log(f"  page of {cfg['page']}: {out['listing']['page_s']['median'] * 1e3:.1f} ms; first page "
-            f"{out['listing']['first_page_s'] * 1e3:.0f} ms; list() of {len(names):,}: {out['listing']['list_all_s']:.1f} s")
+        li = out["listing"]
+        log(f"  page of {cfg['page']}: {li['page_s']['median'] * 1e3:.1f} ms; first page "
+            f"{li['first_page_s'] * 1e3:.0f} ms; list() of {len(names):,}: {li['list_all_s']:.1f} s")
         out["open"] = opens(store, model, forks, small, cfg, rng)
-        log(f"  open: fork {out['open']['fork_s']['median'] * 1e3:.1f} ms, small {out['open']['small_s']['median'] * 1e3:.1f} ms")
+        log(f"  open: fork {out['open']['fork_s']['median'] * 1e3:.1f} ms, "
+            f"small {out['open']['small_s']['median'] * 1e3:.1f} ms")
         out["cli"] = cli(store, model, names, cfg, workdir, rng)
-        log(f"  CLI: list --limit {cfg['page']} {out['cli']['page_s']['median']:.2f} s vs one-session store "
+        log(f"  CLI: list --limit {cfg['page']} --after NAME {out['cli']['page_s']['median']:.2f} s vs one-session store "
             f"{out['cli']['one_s']['median']:.2f} s; everything {out['cli']['all_s']:.1f} s")
         out["verify"] = verify(store, forks)
-        log(f"  verify: {out['verify']['s']:.1f} s, {out['verify']['reads']:,} reads of {out['verify']['extents']:,} extents")
+        v = out["verify"]
+        log(f"  verify: {v['s']:.1f} s, {v['reads']:,} reads of {v['extents']:,} extents")
         out["gc"] = gc(store, small[-cfg["deletes"]:], out["store_bytes"])
         log(f"  gc: {out['gc']['scan_s']:.2f} s; delete {out['gc']['delete_s']['median']:.2f} s")
     finally:
@@ -185,7 +188,8 @@ def gc(store, victims: list[str], store_bytes: int) -> dict:
 # -- alone ---------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.scale", description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help=f"{QUICK['sessions']:,} sessions instead of {FULL['sessions']:,}")
+    p.add_argument("--quick", action="store_true",
+                   help=f"{QUICK['sessions']:,} sessions instead of {FULL['sessions']:,}")
     p.add_argument("--sessions", type=int, help="sessions in the store, all told")
     p.add_argument("--small", type=int, help="of which small sessions with files of their own")
     p.add_argument("--threads", type=int, default=2)

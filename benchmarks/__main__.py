@@ -1,7 +1,9 @@
 """kvstore against what people would use instead: one suite, one report.
 
-    python -m benchmarks run              # full suite (~15 min on 2 cores): publishes (below)
-    python -m benchmarks run --quick      # CI-sized (< 3 min): writes into benchmarks/out/
+    python -m benchmarks run              # full suite (~15 min on 2 cores, then ~30 min for the store of
+                                          # 100,000 sessions): publishes (below)
+    python -m benchmarks run --quick      # CI-sized (< 3 min; a store of 1,000 sessions): into benchmarks/out/
+    python -m benchmarks.scale [--quick]  # the store-scale phase alone: benchmarks/out/scale.json
     python -m benchmarks report [--results benchmarks/results.json] [--dest DIR] [--readme README.md]
 
 `run` loads SmolLM2-135M-Instruct in bfloat16 on --threads threads for kvstore and Hugging Face
@@ -122,6 +124,7 @@ def run_suite(args) -> dict:
             ("save_restore", lambda: _save_restore(store, model, hf, llama, cfg, Path(tmp))),
             ("checkpoint", lambda: _checkpoint(store, model, cfg)),
             ("forks", lambda: _forks(store, model, cfg)),
+            ("scale", lambda: _scale(model, args.quick, Path(tmp))),
         ]
         for name, phase in phases:
             load[name] = os.getloadavg()
@@ -213,6 +216,12 @@ def _forks(store, model, cfg: dict) -> dict:
     from . import store as kv
 
     return kv.fork_growth(store, model, f"doc{cfg['lengths'][-1]}", cfg["forks"], cfg["fork_new"])
+
+
+def _scale(model, quick: bool, workdir: Path) -> dict:
+    from . import scale
+
+    return scale.run(model, dict(scale.QUICK if quick else scale.FULL), workdir, log=log)
 
 
 def machine() -> dict:

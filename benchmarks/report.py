@@ -78,13 +78,37 @@ def targets(r: dict) -> list[dict]:
     unpack = pk and pk["bytes"]["median"] / pk["ratio"]["median"] / pk["restore_s"]["median"] / 1e9
     add("unpack: raw bytes / time to open a packed 2,048-token session (warm)", unpack,
         unpack and f"{unpack:.2f} GB/s", "≥ 1 GB/s", lambda v: v >= 1)
+    scale_targets(r.get("scale"), add)
     return rows
 
 
-def summary_table(r: dict) -> str:
+def scale_targets(sc: dict | None, add) -> None:
+    """The store-scale goals (benchmarks/scale.py), each measured in a store of sc's sessions."""
+    t = (sc or {}).get("targets", {"page_ms": 50.0, "open_ms": 20.0, "cli_ratio": 1.25})
+    where = f", {sc['listing']['sessions']:,} sessions" if sc else ""
+    page = sc and sc["listing"]["page_s"]
+    add("store scale: list a page of sessions (`store.page`, median of random cursors)", page and page["median"] * 1e3,
+        page and span(page, 1e3, unit=" ms") + where, f"≤ {t['page_ms']:.0f} ms", lambda v: v <= t["page_ms"])
+    fork = sc and sc["open"]["fork_s"]
+    add("store scale: open a fork of a 2,045-token document (warm)", fork and fork["median"] * 1e3,
+        fork and span(fork, 1e3, unit=" ms") + where, f"≤ {t['open_ms']:.0f} ms", lambda v: v <= t["open_ms"])
+    cli = sc and sc["cli"]
+    add("store scale: `kvstore list --limit 100 --after NAME` process time vs `kvstore list` in a store of one "
+        "session",
+        cli and cli["ratio"], cli and f"{cli['ratio']:.2f}× ({cli['ratios']['min']:.2f}–{cli['ratios']['max']:.2f})"
+        + where, f"≤ {t['cli_ratio']:.2f}×", lambda v: v <= t["cli_ratio"])
+    v = sc and sc["verify"]
+    add("store scale: `verify` reads per distinct extent (forks share them)", v and v["reads"] / v["extents"],
+        v and f"{v['reads'] / v['extents']:.2f} ({v['reads']:,} reads, {v['extents']:,} extents)", "1.00",
+        lambda x: x <= 1)
+
+
+def summary_table(r: dict, only: str = "") -> str:
+    """The targets table; `only`: the goals that start with it."""
     mark = {True: "met", False: "**not met**", None: "not measured"}
     lines = ["| goal | measured: median (min–max) | target | |", "|---|---|---|---|"]
-    lines += [f"| {t['goal']} | {t['figure']} | {t['target']} | {mark[t['met']]} |" for t in targets(r)]
+    lines += [f"| {t['goal']} | {t['figure']} | {t['target']} | {mark[t['met']]} |" for t in targets(r)
+              if t["goal"].startswith(only)]
     return "\n".join(lines)
 
 
@@ -236,6 +260,55 @@ def growth_section(r: dict) -> list[str]:
     return lines
 
 
+def scale_section(r: dict) -> list[str]:
+    """The store-scale table (benchmarks/scale.py): a store of forks and small sessions."""
+    sc = r.get("scale")
+    if not sc:
+        return []
+    c, li, o, cl, g, v = sc["create"], sc["listing"], sc["open"], sc["cli"], sc["gc"], sc["verify"]
+    n = li["sessions"]
+
+    def ms(x: dict) -> str:
+        return span(x, 1e3, unit=" ms")
+
+    def per(seconds: float) -> str:
+        return f"{seconds / n * 1e3:.2f} ms"
+
+    rows = [
+        (f"`store.page({sc['config']['page']})` at random cursors", ms(li["page_s"]), "", ""),
+        (f"the first page (holds the document, whose record lists its {li['doc_forks']:,} forks)",
+         f"{li['first_page_s'] * 1e3:.1f} ms", "", ""),
+        ("`store.count()`", ms(li["count_s"]), "", ""),
+        ("`store.list()` of every session", f"{li['list_all_s']:.2f} s", per(li["list_all_s"]), ""),
+        ("`store.open` of a fork (warm)", ms(o["fork_s"]), "", ""),
+        ("`store.open` of a small session (warm)", ms(o["small_s"]), "", ""),
+        (f"`kvstore list --limit {sc['config']['page']} --after NAME`, random cursors (one process)",
+         span(cl["page_s"], fmt=".2f", unit=" s"), "", ""),
+        (f"`kvstore list --limit {sc['config']['page']}`: the first page, with the document's record",
+         span(cl["first_page_s"], fmt=".2f", unit=" s") if "first_page_s" in cl else "not measured", "", ""),
+        ("`kvstore list` in a store of one session (one process)", span(cl["one_s"], fmt=".2f", unit=" s"), "", ""),
+        ("`kvstore list` of every session", f"{cl['all_s']:.1f} s", per(cl["all_s"]), ""),
+        ("`kvstore list --json` of every session", f"{cl['all_json_s']:.1f} s", per(cl["all_json_s"]), ""),
+        ("`store.gc()` with nothing to collect", f"{g['scan_s']:.2f} s", per(g["scan_s"]),
+         f"{g['per_gb_s']:.2f} s per GB on disk"),
+        ("`store.delete` of a small session (its gc included)", span(g["delete_s"], fmt=".2f", unit=" s"), "", ""),
+        ("`store.verify()` of every session", f"{v['s']:.1f} s", per(v["s"]),
+         f"{v['per_gb_s']:.2f} s per GB of KV read" if v["per_gb_s"] else ""),
+        ("`store.verify(name)` of one fork", f"{v['one_s'] * 1e3:.0f} ms", "", "")]
+    lines = ["## Store scale", "",
+             f"A store of {n:,} sessions made through the public API: a {sc['doc_tokens']:,}-token document "
+             f"(prefilled, {c['doc_s']:.1f} s), {c['forks']:,} forks of it (`store.fork`, {c['forks_per_s']:,.0f} "
+             f"per second) and {c['small']:,} small sessions of {sc['small_tokens']} tokens with files of their own "
+             f"(`store.new` + `append_tokens`, {c['small_per_s']:,.1f} per second); {c['total_s'] / 60:.1f} min to "
+             f"create, {sc['store_bytes'] / 1e9:.2f} GB on disk (index included). Verify read "
+             f"{v['bytes'] / 1e9:.2f} GB of KV in {v['reads']:,} extent reads ({v['extents']:,} distinct extents); "
+             f"{v['problems']} of {v['sessions']:,} sessions had problems. A page costs what its records hold, "
+             "not what the store holds: the first page holds the document, whose record lists every one of its "
+             "forks.", "",
+             "| measure | median (min–max) or time | per session | per GB |", "|---|---:|---:|---:|"]
+    return lines + [f"| {a} | {b} | {c_} | {d} |" for a, b, c_, d in rows] + [""]
+
+
 def not_measured(r: dict) -> list[str]:
     gone = {k: why for k, why in r["peers"].items() if why}
     if not gone:
@@ -245,7 +318,7 @@ def not_measured(r: dict) -> list[str]:
 
 def markdown(r: dict) -> str:
     parts = header(r) + not_measured(r) + ttft_section(r) + engine_section(r) + save_section(r)
-    parts += checkpoint_section(r) + growth_section(r)
+    parts += checkpoint_section(r) + growth_section(r) + scale_section(r)
     return "\n".join(parts).rstrip() + "\n"
 
 

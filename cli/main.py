@@ -6,6 +6,8 @@ verbs on stored sessions). The library is imported inside the commands, so `--he
 
 from __future__ import annotations
 
+import signal
+import sys
 from pathlib import Path
 
 import click
@@ -16,6 +18,7 @@ from . import generation, manage
 
 EXIT_ERROR = 1  # a library error (unknown session, busy, wrong model, corrupt data, ...)
 EXIT_INTERRUPTED = 130  # 128 + SIGINT: stopped by Ctrl-C after a checkpoint
+EXIT_PIPE = 128 + signal.SIGPIPE  # 141: stdout's reader went away
 
 
 class App:
@@ -41,13 +44,20 @@ class App:
 
 
 class Group(click.Group):
-    """Turns the library's errors into `Error: <one line>` and exit status 1, never a traceback."""
+    """Turns the library's errors into `Error: <one line>` and exit status 1, never a traceback; a
+    stdout whose reader went away into a quiet exit, status 141 (as `new`/`continue` do after their
+    checkpoint)."""
 
     def invoke(self, ctx: click.Context):
         from kvstore.errors import KvstoreError
 
         try:
-            return super().invoke(ctx)
+            result = super().invoke(ctx)
+            sys.stdout.flush()  # output still buffered meets a closed pipe here, not at interpreter exit
+            return result
+        except BrokenPipeError:  # the reader of stdout went away (`kvstore list | head`): end quietly
+            generation.quiet_stdout()
+            ctx.exit(EXIT_PIPE)
         except (KvstoreError, ValueError, OSError) as e:
             raise click.ClickException(one_line(e)) from None
         except KeyboardInterrupt:

@@ -5,11 +5,13 @@ None of them loads a model (`history` reads only the tokenizer, and only for raw
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 
 import click
 
-from .render import bytes_bar, echo_json, human_bytes, note, show_session, summary_text, table
+from .render import (bytes_bar, echo_json, human_bytes, note, show_session, stream_json_array, stream_table,
+                     summary_text)
 
 
 def register(cli: click.Group) -> None:
@@ -17,21 +19,59 @@ def register(cli: click.Group) -> None:
         cli.add_command(command)
 
 
+LIST_HEADERS = ["NAME", "TOKENS", "CHECKPOINTS", "DISK", "MODEL", "PARENT", "UPDATED"]
+
+
 @click.command(name="list")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON array of session records.")
+@click.option("--limit", type=click.IntRange(min=1), metavar="N",
+              help="List at most N sessions; when more follow, stderr says how to list the next page "
+                   "[default: all, read a page at a time].")
+@click.option("--after", metavar="NAME",
+              help="Start after the session NAME (in name order): the last name of the previous page.")
 @click.pass_obj
-def list_(app, as_json: bool):
-    """List the sessions in the store."""
-    infos = app.store.list()
+def list_(app, as_json: bool, limit: int | None, after: str | None):
+    """List the sessions in the store, in name order."""
+    listed = Listing(app.store, limit, after)
     if as_json:
-        echo_json([i.to_dict() for i in infos])
-    elif not infos:
-        note(f"no sessions in {app.store.home}")
+        stream_json_array(info.to_dict() for page in listed.pages() for info in page)
     else:
-        table(["NAME", "TOKENS", "CHECKPOINTS", "DISK", "MODEL", "PARENT", "UPDATED"],
-              [[i.name, f"{i.n_tokens:,}", f"{i.checkpoints:,}", human_bytes(i.disk_bytes),
-                Path(i.model_source).name, i.parent or "-", i.updated_at + (" (unfinished)" if i.active_call else "")]
-               for i in infos])
+        stream_table(LIST_HEADERS, ([list_row(i) for i in page] for page in listed.pages()))
+    if listed.total == 0 and not as_json:
+        note(f"no sessions after {after!r} in {app.store.home}" if after is not None else
+             f"no sessions in {app.store.home}")
+    if listed.next is not None:
+        flags = " --json" if as_json else ""
+        note(f"more sessions follow; the next page: kvstore list{flags} --limit {limit} "
+             f"--after {shlex.quote(listed.next)}")
+
+
+class Listing:
+    """The pages of `kvstore list`: PAGE sessions per query up to `limit` (all when None), each page
+    read only when the one before it is written; `next` is the cursor left when `limit` stopped it."""
+
+    PAGE = 1000
+
+    def __init__(self, store, limit: int | None, after: str | None):
+        self.store, self.limit, self.after = store, limit, after
+        self.total, self.next = 0, None
+
+    def pages(self):
+        after = self.after
+        while self.limit is None or self.total < self.limit:
+            want = self.PAGE if self.limit is None else min(self.PAGE, self.limit - self.total)
+            page = self.store.page(want, after)
+            self.total += len(page.sessions)
+            yield page.sessions
+            if page.next is None:
+                return
+            after = page.next
+        self.next = after
+
+
+def list_row(i) -> list[str]:
+    return [i.name, f"{i.n_tokens:,}", f"{i.checkpoints:,}", human_bytes(i.disk_bytes), Path(i.model_source).name,
+            i.parent or "-", i.updated_at + (" (unfinished)" if i.active_call else "")]
 
 
 @click.command()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import sys
+import textwrap
 import time
 from typing import Any, Callable, Iterable, Iterator
 
@@ -51,11 +52,29 @@ def echo_json(value: Any) -> None:
     click.echo(json.dumps(value, indent=2, ensure_ascii=False))
 
 
-def table(headers: list[str], rows: list[list[str]]) -> None:
-    """Plain left-aligned columns (no box drawing: the output is meant for grep and cut too)."""
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
-    for line in [headers, *rows]:
-        click.echo("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip())
+def stream_table(headers: list[str], pages: Iterable[list[list[str]]]) -> None:
+    """Plain left-aligned columns (no box drawing: the output is meant for grep and cut too), written
+    a page of rows at a time: the header with the first row, each page's columns as wide as its
+    cells need and never narrower than the pages before (a longer cell later shifts the columns
+    from its page on). Nothing at all when there are no rows."""
+    widths, started = [len(h) for h in headers], False
+    for rows in pages:
+        if not rows:
+            continue
+        widths = [max(w, *(len(r[j]) for r in rows)) for j, w in enumerate(widths)]
+        for line in rows if started else [headers, *rows]:
+            click.echo("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip())
+        started = True
+
+
+def stream_json_array(items: Iterable[Any]) -> None:
+    """A JSON array written an item at a time: the same text as `echo_json(list(items))`."""
+    first = True
+    for item in items:
+        click.echo("[" if first else ",")
+        click.echo(textwrap.indent(json.dumps(item, indent=2, ensure_ascii=False), "  "), nl=False)
+        first = False
+    click.echo("[]" if first else "\n]")
 
 
 def stderr_is_terminal() -> bool:

@@ -2,8 +2,8 @@
 
 The public API, everything the front ends (`kvstore_cli`, the coming service) use:
 
-- `open_store(home=None, url=None) -> Store` (`new`, `open` -> `Session`; list, info, history,
-  fork, delete, export, import_, pack, verify, gc), `SessionInfo`;
+- `open_store(home=None, url=None) -> Store` (`new`, `open` -> `Session`; list, page, count, info,
+  history, fork, delete, export, import_, pack, verify, gc), `SessionInfo`, `SessionPage`;
 - `load_model(spec) -> Model`, `load_tokenizer(spec)`, `pull(alias)`, `models_dir()`;
 - the engine pieces for those who drive generation themselves: `Sequence`, `TokenEvent`,
   `SamplerSettings`, `KVCache`, `StreamDecoder`;
@@ -23,7 +23,8 @@ from .defaults import VERSION as __version__
 from .engine.pull import pull  # eager: the function shares its module's name (and needs no torch)
 
 _WHERE = {
-    "Store": "api", "open_store": "api", "Session": "session", "SessionInfo": "store.store",
+    "Store": "api", "open_store": "api", "Session": "session", "SessionInfo": "store.listing",
+    "SessionPage": "store.listing",
     "load_model": "engine.model", "load_tokenizer": "engine.model", "Model": "engine.model",
     "models_dir": "engine.pull", "KVCache": "engine.cache", "Sequence": "engine.sequence",
     "TokenEvent": "engine.sequence", "SamplerSettings": "engine.settings", "StreamDecoder": "engine.tokenizer",

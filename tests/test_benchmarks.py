@@ -45,6 +45,25 @@ def fake(speedup_8k: float = 120.0, llama: bool = True) -> dict:
                                           "ms_per_checkpoint": 2.0} for k in (1, 4, 16, 64)}},
         "forks": {"tokens": 8191, "new_tokens_per_fork": 16, "fork_s": [0.004] * 3, "fork_s_stats": s(0.004),
                   "bytes_after_forks": [4096, 8192, 12288], "bytes_after_decode": [4e5, 8e5, 1.2e6]},
+        "scale": scale(),
+    }
+
+
+def scale(page_ms: float = 12.0, reads: int = 1004) -> dict:
+    """benchmarks/scale.py's figures for a store of 100,000 sessions."""
+    return {
+        "config": {"sessions": 100_000, "small": 1_000, "page": 100}, "doc_tokens": 2045, "small_tokens": 16,
+        "targets": {"page_ms": 50.0, "open_ms": 20.0, "cli_ratio": 1.25},
+        "create": {"doc_s": 1.5, "forks": 98_999, "fork_s": 600.0, "forks_per_s": 165.0, "small": 1_000,
+                   "small_s": 50.0, "small_per_s": 20.0, "total_s": 651.5},
+        "store_bytes": 2.5e9,
+        "listing": {"sessions": 100_000, "page_s": s(page_ms / 1e3), "first_page_s": 0.3, "doc_forks": 98_999,
+                    "count_s": s(0.004), "list_all_s": 9.0},
+        "open": {"fork_s": s(0.015), "small_s": s(0.005)},
+        "cli": {"page_s": s(0.6), "one_s": s(0.55), "first_page_s": s(0.8), "ratios": s(1.09), "ratio": 1.09, "all_s": 14.0, "all_json_s": 20.0},
+        "gc": {"scan_s": 3.0, "sessions": 100_000, "per_session_s": 3e-5, "per_gb_s": 1.2, "delete_s": s(3.1)},
+        "verify": {"s": 120.0, "sessions": 100_000, "problems": 0, "bytes": 1.1e8, "reads": reads, "extents": 1004,
+                   "per_session_s": 1.2e-3, "per_gb_s": 1090.0, "one_s": 0.06},
     }
 
 
@@ -64,6 +83,22 @@ def test_targets_are_judged_against_their_goals():
     assert v["the same, from decode rates with and without (paired per repetition; noisy)"] is True  # 0.6 % <= 3 %
     assert v["packed size / raw bf16 KV (2,048 tokens)"] is True  # 0.66 <= 0.70
     assert v["unpack: raw bytes / time to open a packed 2,048-token session (warm)"] is True  # 47 MB / 0.66 / 30 ms
+    assert v["store scale: list a page of sessions (`store.page`, median of random cursors)"] is True  # 12 <= 50 ms
+    assert v["store scale: open a fork of a 2,045-token document (warm)"] is True  # 15 <= 20 ms
+    assert v["store scale: `kvstore list --limit 100 --after NAME` process time vs `kvstore list` in a store of one "
+             "session"] is True
+    assert v["store scale: `verify` reads per distinct extent (forks share them)"] is True  # 1004 reads, 1004 extents
+
+
+def test_store_scale_targets_fail_when_a_page_is_slow_or_verify_rereads_shared_extents():
+    r = fake()
+    r["scale"] = scale(page_ms=80.0, reads=2008)
+    v = verdicts(r)
+    assert v["store scale: list a page of sessions (`store.page`, median of random cursors)"] is False
+    assert v["store scale: `verify` reads per distinct extent (forks share them)"] is False
+    del r["scale"]
+    assert all(met is None for goal, met in verdicts(r).items() if goal.startswith("store scale"))
+    assert "## Store scale" not in report.markdown(r)
 
 
 def test_missing_figures_are_not_measured_and_a_peers_target_without_the_peer_too():
@@ -82,8 +117,10 @@ def test_missing_figures_are_not_measured_and_a_peers_target_without_the_peer_to
 def test_report_has_every_section_and_no_local_paths():
     text = report.markdown(fake())
     for heading in ("## Summary", "## Machine and versions", "## Time to first token", "## Engine speed",
-                    "## Save and restore", "## Checkpoint overhead", "## How costs grow"):
+                    "## Save and restore", "## Checkpoint overhead", "## How costs grow", "## Store scale"):
         assert heading in text
+    assert "| `store.page(100)` at random cursors | 12.0 ms (10.8–13.2) |" in text
+    assert "98,999 forks of it (`store.fork`, 165 per second)" in text
     assert "45× (40–50)" in text  # a figure with its spread
     assert "Some CPU (x86_64), 2 cores, with AVX2, AVX512-BF16, AMX-BF16" in text
     assert "/tmp" not in text and "/work" not in text

@@ -275,6 +275,62 @@ def test_list_table_json_and_empty(model_dir):
     assert [x["name"] for x in records] == ["a", "b"] and all(x["disk_bytes"] > 0 for x in records)
 
 
+def test_list_pages_with_limit_and_after_and_says_on_stderr_how_to_get_the_next_page(model_dir):
+    make("doc", model_dir, n=2)
+    for name in ("b", "c", "d", "e"):
+        kv("fork", "doc", name)
+    r = kv("list", "--limit", "2")
+    assert [x.split()[0] for x in r.stdout.splitlines()] == ["NAME", "b", "c"]
+    assert "kvstore list --limit 2 --after c" in r.stderr
+    r = kv("list", "--json", "--limit", "2", "--after", "c")
+    assert [x["name"] for x in json.loads(r.stdout)] == ["d", "doc"]  # stdout stays JSON
+    assert "kvstore list --json --limit 2 --after doc" in r.stderr
+    r = kv("list", "--json", "--limit", "2", "--after", "doc")
+    assert [x["name"] for x in json.loads(r.stdout)] == ["e"] and "more" not in r.stderr
+    r = kv("list", "--after", "e")
+    assert r.stdout == "" and "no sessions after 'e'" in r.stderr
+    kv("list", "--limit", "0", code=2)
+
+
+def test_list_without_a_limit_streams_every_page_as_one_listing(model_dir, monkeypatch):
+    from kvstore_cli import manage
+
+    make("doc", model_dir, n=2)
+    for i in range(6):
+        kv("fork", "doc", f"fork-{i}" + "x" * i)  # later pages have longer names
+    monkeypatch.setattr(manage.Listing, "PAGE", 2)
+    expected = [i.to_dict() for i in store().list()]
+    assert kv("list", "--json").stdout == json.dumps(expected, indent=2, ensure_ascii=False) + "\n"
+    lines = kv("list").stdout.splitlines()
+    assert [x.split()[0] for x in lines] == ["NAME"] + [e["name"] for e in expected]
+    starts = [x.index(x.split()[1], len(x.split()[0])) for x in lines]  # where the TOKENS column begins
+    assert starts[0] == starts[1] and starts == sorted(starts) and starts[-1] > starts[0]  # widened, never narrowed
+
+
+def test_list_into_a_closed_pipe_ends_quietly_with_status_141(model_dir):
+    """`kvstore list | head`: no `Error: ... Broken pipe`, status 141 (128 + SIGPIPE) as the other
+    verbs; whether the pipe breaks inside the listing or at the last flush."""
+    import subprocess
+    import sys
+
+    make("doc", model_dir, n=2)
+    command = [sys.executable, "-m", "kvstore_cli"]
+    for n_forks in (0, 300):  # all of it in stdout's buffer at the end; pages of writes that fill it
+        s = store()
+        for i in range(len(s.names()) - 1, n_forks):
+            s.fork("doc", f"fork-{i:03d}")
+        for args in (["list"], ["list", "--json"]):
+            read, write = os.pipe()
+            os.close(read)  # the reader is gone before the first byte
+            done = subprocess.run(command + args, stdout=write, stderr=subprocess.PIPE, text=True,
+                                  env=os.environ.copy())
+            os.close(write)
+            assert (done.returncode, done.stderr) == (141, ""), (n_forks, args)
+    shell = f"{' '.join(command)} list --json | head -n 1; exit ${{PIPESTATUS[0]}}"  # a real reader that stops
+    done = subprocess.run(["bash", "-c", shell], capture_output=True, text=True, env=os.environ.copy())
+    assert (done.returncode, done.stdout, done.stderr) == (141, "[\n", "")
+
+
 def test_show_text_and_json(model_dir):
     make("s", model_dir)
     text = kv("show", "s").stdout

@@ -50,12 +50,45 @@ def test_a_store_at_the_first_revision_opens_after_the_upgrade(tmp_path, tiny):
     engine.dispose()
     upgraded = kvstore.open_store(tmp_path)  # migrates 0001 -> head
     with upgraded.engine.connect() as conn:
-        assert MigrationContext.configure(conn).get_current_revision() == "0004"
+        assert MigrationContext.configure(conn).get_current_revision() == "0005"
     assert upgraded.info("old").n_cached == len(tokens) - 1  # 0004's downgrade left the last token pending
     with upgraded.open("old", model) as s:
         assert s.tokens == tokens
     assert upgraded.pack("old")["extents"] >= 1  # the new tables work
     assert upgraded.verify() == {"old": []}
+
+
+def downgrade(url: str, revision: str) -> None:
+    from alembic import command
+
+    engine = index.make_engine(url)
+    with engine.begin() as conn:
+        cfg = index.alembic_config(url)
+        cfg.attributes["connection"] = conn
+        command.downgrade(cfg, revision)
+    engine.dispose()
+
+
+def test_0005_indexes_the_parent_of_forks_so_a_page_finds_its_forks_without_a_scan(tmp_path):
+    """0001 -> head gives exactly the models; 0005 alone adds and drops ix_sessions_parent_id."""
+    url = f"sqlite:///{tmp_path / 'k.db'}"
+    engine = index.make_engine(url)
+    index.upgrade(engine, "0001")
+    index.upgrade(engine)
+    with engine.connect() as conn:
+        assert compare_metadata(MigrationContext.configure(conn), index.Base.metadata) == []
+        plan = " ".join(str(r) for r in conn.execute(text("EXPLAIN QUERY PLAN SELECT name FROM sessions "
+                                                             "WHERE parent_id = 'x'")))
+        assert "ix_sessions_parent_id" in plan
+    engine.dispose()
+    downgrade(url, "0004")
+    engine = index.make_engine(url)
+    with engine.connect() as conn:
+        assert "ix_sessions_parent_id" not in {r[0] for r in conn.execute(text("SELECT name FROM sqlite_master"))}
+    index.upgrade(engine)
+    with engine.connect() as conn:
+        assert compare_metadata(MigrationContext.configure(conn), index.Base.metadata) == []
+    engine.dispose()
 
 
 def test_a_store_from_a_newer_kvstore_is_refused(tmp_path):

@@ -1,6 +1,7 @@
 """The store: sessions at rest on disk, and every verb on them that runs no model.
 
-    store.py                 Store (a home and its index) and open_store; SessionInfo
+    store.py                 Store (a home and its index) and open_store
+    listing.py               SessionInfo, SessionPage: a page of sessions in two index queries
     records.py               a session's rows built and read in one place; names; contract C2's rule
     index.py                 the schema (SQLAlchemy), the database engines, migrations
     identity.py, paths.py    which home an index serves; where the home and the index are

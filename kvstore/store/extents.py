@@ -59,9 +59,14 @@ def session_extents(db: DB, session_id: str) -> list[ExtentRef]:
                       seg.token_bytes, blob) for se, ex, seg, blob in rows]
 
 
+def extent_label(session: str, extent_id: int) -> str:
+    """How errors about an extent begin: "session 'doc', extent 7"."""
+    return f"session {session!r}, extent {extent_id}"
+
+
 def read_layers(ref: ExtentRef, home: Path, itemsize: int, *, session: str) -> list[np.ndarray]:
     """Verified raw bytes of every layer of the extent (the whole extent, not just the used prefix)."""
-    what = f"session {session!r}, extent {ref.extent_id}"
+    what = extent_label(session, ref.extent_id)
     if ref.blob is None:  # each layer verified as it is read
         directory = home / "sessions" / ref.segment_id
         return [segments.read_extent(directory, i, ref.offset, ref.raw_size, what=f"{what}, layer {i}",

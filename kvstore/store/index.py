@@ -90,7 +90,8 @@ class SessionRow(Base):
     active_call: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
     # the last token's final hidden state (raw bytes of the KV dtype) when n_cached == n_tokens (C2)
     last_hidden: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True)
-    parent_id: Mapped[str | None] = mapped_column(ForeignKey("sessions.id", ondelete="SET NULL"), nullable=True)
+    parent_id: Mapped[str | None] = mapped_column(ForeignKey("sessions.id", ondelete="SET NULL"), nullable=True,
+                                                  index=True)  # a page's forks, a parent's delete (0005)
     fork_position: Mapped[int | None] = mapped_column(Integer, nullable=True)
     created_at: Mapped[dt.datetime] = mapped_column(DateTime, default=utcnow)
     updated_at: Mapped[dt.datetime] = mapped_column(DateTime, default=utcnow)

@@ -128,10 +128,18 @@ def read_tokens(db: DB, session_id: str) -> list[int]:
     out: list[int] = []
     for b in blocks:
         if b.start != len(out):
-            raise CorruptData(f"the token blocks are not contiguous: one starts at position {b.start}, after "
-                              f"{len(out)} token ids; the index is damaged (`kvstore verify` lists what else is)")
+            raise CorruptData(token_gap(b.start, len(out)))
         out.extend(np.frombuffer(b.ids, dtype="<i4").tolist())
     return out
+
+
+def token_gap(start: int, count: int) -> str:
+    """What is wrong when a token block starts at `start` after `count` token ids."""
+    return (f"the token blocks are not contiguous: one starts at position {start}, after {count} token ids; "
+            "the index is damaged (`kvstore verify` lists what else is)")
+
+
+TOKEN_ID_BYTES = 4  # a token id in a block: int32, little-endian
 
 
 def encode_tokens(ids: list[int]) -> bytes:

@@ -3,8 +3,9 @@
 `open_store(home=None, url=None)` finds the home (argument, $KVSTORE_HOME, click's app dir), opens
 the index (SQLite `kvstore.db` in the home unless `url` or $KVSTORE_INDEX names a PostgreSQL
 database), migrates it and checks that the two belong together (`identity`). Here sessions are
-created (`create`: rows at head 0), listed, described, forked without loading a model, deleted,
-garbage-collected, verified, exported, imported and packed; none of it loads torch. Writing a
+created (`create`: rows at head 0), listed and described (`listing`: a page of them in two index
+queries, whatever the store's size), forked without loading a model, deleted, garbage-collected,
+verified, exported, imported and packed; none of it loads torch. Writing a
 session (feeding it, generating) is a `kvstore.session.Session`, which the public `Store`
 (`kvstore.api`) opens on top of this one.
 """
@@ -12,11 +13,10 @@ session (feeding it, generating) is a `kvstore.session.Session`, which the publi
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import delete, func, select
+from sqlalchemy import delete, select
 from sqlalchemy.exc import DatabaseError, OperationalError
 from sqlalchemy.orm import Session as DB
 
@@ -28,44 +28,17 @@ from .export import export_session
 from .gc import collect
 from .identity import bind_home
 from .import_archive import import_session
-from .index import (BlobRow, CheckpointRow, ExtentBlobRow, MessageRow, ModelRow, SegmentRow, SessionExtentRow,
-                    SessionRow, make_engine, shown_url, upgrade)
+from .index import MessageRow, ModelRow, SessionRow, make_engine, shown_url, upgrade
+from .listing import PAGE_SIZE, SessionInfo, SessionPage, check_page, count, read_infos, read_page
 from .locking import SessionLock
 from .pack import pack_session
 from .paths import home_dir, index_url
 from .progress import Progress
 from .records import (add_session, check_name, claim_name, fork_rows, kv_layout,
                       read_tokens, register_model, token_bytes)
-from .segments import LAYER_FILE
 from .verify import verify_store
 
 NEW_NAME_TAKEN = "pick another name, `kvstore continue {name}` or `kvstore rm {name}`"
-
-
-@dataclass
-class SessionInfo:
-    name: str
-    id: str
-    model: str
-    model_source: str
-    dtype: str
-    n_tokens: int
-    n_cached: int
-    checkpoints: int
-    disk_bytes: int
-    parent: str | None
-    fork_position: int | None
-    forks: list[str]
-    seed: int
-    sampler: dict[str, Any]
-    chunk_size: int  # prefill chunk, in tokens (a checkpoint after each)
-    checkpoint_every: int  # generated tokens between automatic checkpoints
-    active_call: dict[str, Any] | None
-    created_at: str
-    updated_at: str
-
-    def to_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
 
 
 class Store:
@@ -93,8 +66,11 @@ class Store:
         check_name(name)
         row = db.scalar(select(SessionRow).where(SessionRow.name == name))
         if row is None:
-            raise SessionNotFound(f"no session named {name!r}; `kvstore list` shows the sessions in {self.home}")
+            raise self.not_found(name)
         return row
+
+    def not_found(self, name: str) -> SessionNotFound:
+        return SessionNotFound(f"no session named {name!r}; `kvstore list` shows the sessions in {self.home}")
 
     def close(self) -> None:
         self.engine.dispose()
@@ -154,39 +130,40 @@ class Store:
         with self.db() as db:
             return list(db.scalars(select(SessionRow.name).order_by(SessionRow.name)))
 
-    def list(self) -> list[SessionInfo]:
-        return [self.info(n) for n in self.names()]
+    def list(self, limit: int | None = None, after: str | None = None) -> list[SessionInfo]:
+        """Sessions in name order: those named after `after` (all when None), at most `limit` (no
+        limit when None; read PAGE_SIZE at a time). `page` says whether more follow."""
+        check_page(limit, after)
+        if limit is not None:
+            return self.page(limit, after).sessions
+        out: list[SessionInfo] = []
+        while True:
+            page = self.page(PAGE_SIZE, after)
+            out += page.sessions
+            if page.next is None:
+                return out
+            after = page.next
+
+    def page(self, limit: int = 100, after: str | None = None) -> SessionPage:
+        """At most `limit` sessions in name order, named after `after` (the previous page's `next`;
+        None: from the first), in two index queries whatever the store's size (`listing`)."""
+        check_page(limit, after)
+        with self.db() as db:
+            return read_page(db, limit, after)
+
+    def count(self) -> int:
+        """How many sessions the store holds (one query)."""
+        with self.db() as db:
+            return count(db)
 
     def info(self, name: str) -> SessionInfo:
+        """The session's record, read as `list` reads it (so the two agree)."""
+        check_name(name)
         with self.db() as db:
-            row = self.row(db, name)
-            model_row = db.get(ModelRow, row.model_fingerprint)
-            n_checkpoints = db.scalar(select(func.count()).select_from(CheckpointRow)
-                                      .where(CheckpointRow.session_id == row.id))
-            forks = list(db.scalars(select(SessionRow.name).where(SessionRow.parent_id == row.id)))
-            parent = db.scalar(select(SessionRow.name).where(SessionRow.id == row.parent_id)) if row.parent_id else None
-            return SessionInfo(
-                name=row.name, id=row.id, model=row.model_fingerprint, model_source=model_row.source,
-                dtype=row.dtype, n_tokens=row.n_tokens, n_cached=row.n_cached, checkpoints=n_checkpoints,
-                disk_bytes=self._disk_bytes(db, row.id), parent=parent, fork_position=row.fork_position,
-                forks=forks, seed=row.seed, sampler=dict(row.sampler), chunk_size=row.chunk_size,
-                checkpoint_every=row.checkpoint_every, active_call=row.active_call,
-                created_at=row.created_at.isoformat(timespec="seconds"),
-                updated_at=row.updated_at.isoformat(timespec="seconds"))
-
-    def _disk_bytes(self, db: DB, session_id: str) -> int:
-        """Bytes this session's own segment and the blobs of its extents occupy."""
-        seg = db.get(SegmentRow, session_id)
-        raw = 0
-        directory = self.session_dir(session_id)
-        if seg is not None:
-            raw = sum(io.file_size(p) for p in io.listdir(directory) if LAYER_FILE.fullmatch(p.name))
-        packed = db.scalar(select(func.coalesce(func.sum(BlobRow.size), 0))
-                           .where(BlobRow.hash.in_(select(ExtentBlobRow.blob_hash)
-                                                   .join(SessionExtentRow,
-                                                         SessionExtentRow.extent_id == ExtentBlobRow.extent_id)
-                                                   .where(SessionExtentRow.session_id == session_id))))
-        return raw + int(packed or 0)
+            found = read_infos(db, name=name)
+        if not found:
+            raise self.not_found(name)
+        return found[0]
 
     def messages(self, name: str) -> list[MessageRow]:
         with self.db() as db:

@@ -165,3 +165,20 @@ def test_the_readme_has_no_speed_figure_the_report_builder_did_not_write():
     assert figures_outside_the_report(readme.replace(stated, "")) == []
     assert figures_outside_the_report("restores in about 19 ms, twice as fast as before\n") == ["about 19 ms",
                                                                                              "twice as fast"]
+
+
+def test_the_committed_report_and_readme_table_are_rebuilt_from_the_committed_results():
+    """benchmarks/REPORT.md and the README's Benchmarks section are what the report builder writes
+    from benchmarks/results.json (a full run publishes all three together), so every committed
+    figure can be traced to a measured repetition; the per-CPU copy is the same file."""
+    import json
+
+    root = Path(__file__).resolve().parent.parent
+    text = (root / "benchmarks" / "results.json").read_text(encoding="utf-8")
+    results = json.loads(text)
+    assert (root / "benchmarks" / "REPORT.md").read_text(encoding="utf-8") == report.markdown(results)
+    readme = (root / "README.md").read_text(encoding="utf-8")
+    section = re.search(r"^## Benchmarks\n(.*?)(?=^## )", readme, re.S | re.M)[1]
+    assert section == "\n" + report.readme_section(results) + "\n"
+    assert (root / "benchmarks" / "results" / f"{report.cpu_slug(results)}.json").read_text(encoding="utf-8") == text
+    assert not results["quick"] and all(not why for why in results["peers"].values()), "a full run with its peers"

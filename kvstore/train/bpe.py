@@ -17,6 +17,7 @@ from typing import Any, Iterable
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from ..errors import InvalidArgument
 from .corpus import END_OF_TEXT, IM_END, SPECIAL_TOKENS
 
 CHAT_TEMPLATE = (
@@ -31,7 +32,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
     """A byte-level BPE of at most `vocab_size` tokens (special tokens and the 256 bytes included)."""
     floor = len(SPECIAL_TOKENS) + len(pre_tokenizers.ByteLevel.alphabet())
     if vocab_size < floor:
-        raise ValueError(f"a byte-level vocabulary needs at least {floor} tokens (the special ones and "
+        raise InvalidArgument(f"a byte-level vocabulary needs at least {floor} tokens (the special ones and "
                          f"every byte); got {vocab_size}")
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -34,7 +34,7 @@ from .locking import SessionLock
 from .pack import pack_session
 from .paths import home_dir, index_url
 from .progress import Progress
-from .records import (add_session, check_name, claim_name, fork_rows, kv_layout,
+from .records import (add_session, check_name, claim_name, fork_rows, kv_layout, read_messages,
                       read_tokens, register_model, token_bytes)
 from .verify import verify_store
 
@@ -178,9 +178,12 @@ class Store:
     def history(self, name: str) -> list[dict[str, Any]]:
         """The text of a session in order: its chat messages, and the spans no message covers (raw
         text) decoded as role "text"; each a dict of role, text, token_start, token_end."""
-        messages = [{"role": m.role, "text": m.text, "token_start": m.token_start, "token_end": m.token_end}
-                    for m in self.messages(name)]
-        tokens = self.tokens(name)
+        with self.db() as db:  # one snapshot of the session's rows
+            row = self.row(db, name)
+            messages = [{k: m[k] for k in ("role", "text", "token_start", "token_end")}
+                        for m in read_messages(db, row.id)]
+            tokens = read_tokens(db, row.id)
+            source = db.get(ModelRow, row.model_fingerprint).source
         covered = sorted((m["token_start"], m["token_end"]) for m in messages if m["token_end"] > m["token_start"])
         gaps, at = [], 0
         for a, b in covered + [(len(tokens), len(tokens))]:
@@ -192,7 +195,6 @@ class Store:
         from ..engine.model import load_tokenizer  # only raw text needs one (and with it torch)
         from ..errors import ModelError
 
-        source = self.info(name).model_source
         try:
             tokenizer = load_tokenizer(source)
         except ModelError as e:

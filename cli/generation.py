@@ -129,7 +129,7 @@ def new(app, session: str, system: str | None, seed: int, chunk_size: int | None
                     note(f"created session {session!r} (no input; `kvstore continue {session} -p ...` adds a turn)")
                     return
                 run_turn(s, text, o, stops)
-        except (Stopped, KeyboardInterrupt, BrokenPipeError) as e:
+        except (Stopped, KeyboardInterrupt) as e:  # a closed stdout: the group's (main.py), after the checkpoint
             stopped(store, session, e)
 
 
@@ -154,7 +154,7 @@ def continue_(app, session: str, **kwargs):
                 if o.checkpoint_every is not None:
                     s.checkpoint_every = o.checkpoint_every
                 run_turn(s, text, o, stops)
-        except (Stopped, KeyboardInterrupt, BrokenPipeError) as e:
+        except (Stopped, KeyboardInterrupt) as e:  # a closed stdout: the group's (main.py), after the checkpoint
             stopped(store, session, e)
 
 
@@ -260,10 +260,7 @@ def decode(s, ids: Iterator[int], stops: "Stops") -> Iterator[str]:
 
 
 def stopped(store, name: str, e: BaseException) -> None:
-    """After a stop (signal, or stdout closed by a pipe's reader): say where the session stands, exit."""
-    if isinstance(e, BrokenPipeError):
-        quiet_stdout()
-        raise click.exceptions.Exit(128 + signal.SIGPIPE)
+    """After a stop by a signal: say where the session stands, exit with 128 + its number."""
     code = 128 + (e.signum if isinstance(e, Stopped) else signal.SIGINT)
     try:
         info = store.info(name)
@@ -274,17 +271,6 @@ def stopped(store, name: str, e: BaseException) -> None:
         "`kvstore continue {0}` goes on from there"
     note(f"stopped; {name!r} is checkpointed at {info.n_tokens:,} tokens; " + what.format(name))
     raise click.exceptions.Exit(code)
-
-
-def quiet_stdout() -> None:
-    """Point stdout at /dev/null so that flushing it at exit does not raise again."""
-    import os
-
-    try:
-        fd = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(fd, sys.stdout.fileno())
-    except (OSError, ValueError, AttributeError):  # no real file descriptor (e.g. under a test runner)
-        pass
 
 
 # -- stop requests -----------------------------------------------------------------------------------

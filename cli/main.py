@@ -6,6 +6,7 @@ verbs on stored sessions). The library is imported inside the commands, so `--he
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 from pathlib import Path
@@ -56,13 +57,22 @@ class Group(click.Group):
             sys.stdout.flush()  # output still buffered meets a closed pipe here, not at interpreter exit
             return result
         except BrokenPipeError:  # the reader of stdout went away (`kvstore list | head`): end quietly
-            generation.quiet_stdout()
+            quiet_stdout()
             ctx.exit(EXIT_PIPE)
         except (KvstoreError, ValueError, OSError) as e:
             raise click.ClickException(one_line(e)) from None
         except KeyboardInterrupt:
             click.echo("kvstore: interrupted", err=True)
             ctx.exit(EXIT_INTERRUPTED)
+
+
+def quiet_stdout() -> None:
+    """Point stdout at /dev/null so that flushing it at exit does not raise again."""
+    try:
+        fd = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(fd, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # no real file descriptor (e.g. under a test runner)
+        pass
 
 
 def one_line(error: BaseException) -> str:

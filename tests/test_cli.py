@@ -331,6 +331,25 @@ def test_list_into_a_closed_pipe_ends_quietly_with_status_141(model_dir):
     assert (done.returncode, done.stdout, done.stderr) == (141, "[\n", "")
 
 
+def test_a_reply_into_a_closed_pipe_is_checkpointed_and_ends_quietly_with_status_141(model_dir):
+    """`kvstore new ... | head -c 1`: the reply stops where the pipe broke, the session is saved with
+    what was generated (its call unfinished, for `continue`), and the command ends with 141."""
+    import subprocess
+    import sys
+
+    read, write = os.pipe()
+    os.close(read)
+    done = subprocess.run([sys.executable, "-m", "kvstore_cli", "new", "piped", "--model", model_dir, "--raw", "-p",
+                           "The fox resumes its run", "-n", "40"], stdout=write, stderr=subprocess.PIPE, text=True,
+                          env=os.environ.copy())
+    os.close(write)
+    assert (done.returncode, done.stderr) == (141, ""), done.stderr
+    i = info("piped")
+    assert i["active_call"] is not None and i["n_tokens"] > i["active_call"]["start"]  # kept what it made
+    kv("continue", "piped")  # and finishes it
+    assert info("piped")["active_call"] is None
+
+
 def test_show_text_and_json(model_dir):
     make("s", model_dir)
     text = kv("show", "s").stdout

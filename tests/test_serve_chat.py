@@ -205,3 +205,43 @@ def test_kill_9_of_the_engine_mid_stream_the_api_stays_up_and_the_reply_is_whole
         assert server.engine_pids() != [old]
         metrics = httpx.get(server.url + "/metrics").text
         assert "kvstore:engine_restarts_total 1.0" in metrics
+
+
+def test_a_long_reply_does_not_hold_back_another_sessions_first_token(server):
+    import threading
+
+    done = {}
+
+    def long_one():
+        stream_events(server, {**long_request("long"), "kvstore_trace": False}, {})
+        done["long"] = True
+
+    t = threading.Thread(target=long_one)
+    t.start()
+    try:
+        while not server.http().get("/metrics").text.count('kvstore:num_requests_running 1.0'):
+            pass
+        short = chat(server.client(), "short", [{"role": "user", "content": "quick"}], max_tokens=3)
+        assert short.usage.completion_tokens == 3
+        assert "long" not in done, "the short reply waited for the long one to finish"
+    finally:
+        t.join(120)
+
+
+def test_two_engines_each_session_pinned_to_one_and_one_engine_dying_spares_the_other(tmp_path, model_folder):
+    with LiveServer(tmp_path / "home", model_folder, "--workers", "2", "--threads", "1",
+                    "--chunk-size", str(CHUNK)) as server:
+        pids = server.engine_pids()
+        assert len(set(pids)) == 2
+        client = server.client()
+        names = [f"pinned-{i}" for i in range(6)]
+        first = {n: chat(client, n, [{"role": "user", "content": n}], max_tokens=6) for n in names}
+        server.kill_engine(0)
+        again = {n: chat(client, n, [{"role": "user", "content": n}, {"role": "assistant",
+                                                                       "content": first[n].choices[0].message.content},
+                                     {"role": "user", "content": "more"}], max_tokens=6) for n in names}
+        assert all(r.usage.prompt_tokens_details.cached_tokens > 0 for r in again.values())
+        contexts = {r.kvstore["context"] for r in again.values()}
+        assert contexts == {"restored", "reused"}  # the dead engine's sessions came back from disk
+        new_pids = server.engine_pids()
+        assert new_pids[1] == pids[1] and new_pids[0] != pids[0]

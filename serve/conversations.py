@@ -12,7 +12,7 @@ names a session that holds the context up to the end of that response and is nev
   Continuing from an older response is forking an older session: nothing else changes;
 - neither: a new session (`create` gives its settings).
 
-Kinds (registered in `jobs.KINDS`): `response` (a generation: `jobs.reply`'s events), `conversation`
+Kinds (added to `jobs.KINDS` by `engine.py`): `response` (a generation: `jobs.reply`'s events), `conversation`
 (create one, with its first items) and `items` (append items to one). A resumed `response`
 (`after`, from Last-Event-ID or an engine restart) is `jobs.resume` on the written session,
 followed by the snapshot if it was not made yet.
@@ -24,12 +24,11 @@ from typing import Any, Iterator
 
 from kvstore import errors
 
+from .jobs import reply, resume
 from .replies import Tokens
 
 
 def response(engine, job: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    from .jobs import resume  # jobs.py registers these kinds: imported when a job runs, not before
-
     events = resume(engine, job) if job.get("after") is not None else _fresh(engine, job)
     for event in events:
         if event["event"] == "end":
@@ -49,8 +48,6 @@ def _reply_ordinal(session) -> int | None:
 
 
 def _fresh(engine, job: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    from .jobs import reply
-
     name = job["session"]
     if job.get("base"):
         try:

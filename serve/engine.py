@@ -23,7 +23,9 @@ from typing import Any
 
 import kvstore
 
-from . import jobs
+from . import conversations, jobs
+
+jobs.KINDS.update(conversations.KINDS)  # the Responses and Conversations APIs' jobs
 
 
 class Engine:

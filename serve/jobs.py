@@ -27,7 +27,6 @@ from typing import Any, Iterator
 
 import kvstore
 
-from .conversations import KINDS as CONVERSATION_KINDS
 from .failures import from_library
 from .replies import ReplyText, Tokens, stored_pieces, token_events
 
@@ -172,8 +171,7 @@ def manage(engine, job: dict[str, Any]) -> Iterator[dict[str, Any]]:
     yield {"event": "end", "session": name}
 
 
-KINDS = {"chat": chat, "complete": complete, **{k: manage for k in ("create", "fork", "delete", "import")},
-         **CONVERSATION_KINDS}
+KINDS = {"chat": chat, "complete": complete, **{k: manage for k in ("create", "fork", "delete", "import")}}
 
 
 def run(engine, job: dict[str, Any]) -> Iterator[dict[str, Any]]:

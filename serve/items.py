@@ -82,8 +82,7 @@ def response_object(public: str, *, created_at: int, model: str, status: str, ou
                     instructions: str | None, sampler: dict[str, Any], max_output_tokens: int | None = None,
                     stored: bool = True, metadata: dict[str, str] | None = None) -> dict[str, Any]:
     return {"id": public, "object": "response", "created_at": created_at, "status": status, "model": model,
-            "output": output, "output_text": "".join(p["text"] for o in output for p in o["content"]),
-            "error": None,
+            "output": output, "error": None,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "instructions": instructions, "max_output_tokens": max_output_tokens, "metadata": metadata or {},
             "previous_response_id": previous, "conversation": {"id": conversation} if conversation else None,

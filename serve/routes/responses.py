@@ -212,6 +212,10 @@ def plan(request: Request, who: Tenant, body: ResponseRequest, resume) -> tuple[
         if body.previous_response_id is not None:
             info = info_of(st, who, body.previous_response_id, RESPONSE)
             check_seed(body.seed, info.seed, "previous response")
+            if info.active_call:
+                raise ApiError(409, f"response {body.previous_response_id!r} is not finished (in progress, or its "
+                                    "stream broke: resend that request with Last-Event-ID to finish it)",
+                               type="conflict_error", param="previous_response_id", code="response_in_progress")
             spec["base"] = who.stored(body.previous_response_id)
         else:
             spec["create"] = svc.new_session_settings(body.seed, sampling(body))

@@ -20,7 +20,7 @@ from ..deps import service, tenant
 from ..failures import ApiError
 from ..protocol import ChatRequest
 from ..service import Run
-from ..streams import END, chained, data, event_id, first_events, parse_last_event_id, trace_line, usage
+from ..streams import chained, data, event_id, first_events, parse_last_event_id, trace_line, usage
 from ..tenants import Tenant
 
 router = APIRouter()
@@ -114,16 +114,20 @@ class Reply:
 
     async def stream(self, events: AsyncIterator[dict[str, Any]], include_usage: bool, drop, *,
                      resumed: bool) -> AsyncIterator[ServerSentEvent]:
+        """The chunks of the reply as server-sent events; an error once the stream has begun is an
+        `{"error": ...}` event, as OpenAI sends it, and ends the stream."""
         public = self.run.public
         if not resumed:
             yield ServerSentEvent(data(self.chunk({"role": "assistant", "content": ""})))
-        async for event in events:
-            text = self.take(event)
-            if event["event"] == "token" and (text or self.trace):
-                extra = {"kvstore": {"trace": [trace_line(event)]}} if self.trace else {}
-                yield ServerSentEvent(data(self.chunk({"content": text}, **extra)),
-                                      id=event_id(public, self.start, event["position"]))
-        if self.run.spec.get("after") == END and resumed and self.end is None:
+        try:
+            async for event in events:
+                text = self.take(event)
+                if event["event"] == "token" and (text or self.trace):
+                    extra = {"kvstore": {"trace": [trace_line(event)]}} if self.trace else {}
+                    yield ServerSentEvent(data(self.chunk({"content": text}, **extra)),
+                                          id=event_id(public, self.start, event["position"]))
+        except ApiError as e:
+            yield ServerSentEvent(data(e.body()))
             return
         end = self.end
         yield ServerSentEvent(data(self.chunk({"content": end["text"]} if end["text"] else {}, end["finish_reason"],

@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from ..deps import service, tenant
+from ..failures import ApiError
 from ..protocol import CompletionRequest
 from ..service import Run
 from ..streams import chained, data, event_id, first_events, parse_last_event_id, trace_line, usage
@@ -82,12 +83,16 @@ class Completion:
 
     async def stream(self, events: AsyncIterator[dict[str, Any]], include_usage: bool, drop) -> AsyncIterator:
         public = self.run.public
-        async for event in events:
-            text = self.take(event)
-            if event["event"] == "token" and (text or self.trace):
-                extra = {"kvstore": {"trace": [trace_line(event)]}} if self.trace else {}
-                yield ServerSentEvent(data(self.body(text, None, **extra)), id=event_id(public, self.start,
-                                                                                      event["position"]))
+        try:
+            async for event in events:
+                text = self.take(event)
+                if event["event"] == "token" and (text or self.trace):
+                    extra = {"kvstore": {"trace": [trace_line(event)]}} if self.trace else {}
+                    yield ServerSentEvent(data(self.body(text, None, **extra)),
+                                          id=event_id(public, self.start, event["position"]))
+        except ApiError as e:
+            yield ServerSentEvent(data(e.body()))
+            return
         end = self.end
         yield ServerSentEvent(data(self.body(end["text"], end["finish_reason"], kvstore={"session": public})),
                               id=event_id(public, self.start, "end"))

@@ -273,3 +273,25 @@ def test_stream_events_ids_and_last_event_id_resume(client, server):
         kinds = [e.type for e in stream]
     assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
                          "response.content_part.added"] and kinds[-1] in ("response.completed", "response.incomplete")
+
+
+def test_a_response_survives_its_engines_death(client, server):
+    conv = client.conversations.create(extra_body={"seed": 9})
+    body = {"model": MODEL_NAME, "input": "The fox", "conversation": conv.id, "stream": True,
+            "max_output_tokens": 100, "kvstore_trace": True}
+    with server.http(ALICE).stream("POST", "/v1/responses", json=body) as stream:
+        lines = stream.iter_lines()
+        head = []
+        while len([line for line in head if line.startswith("data:")]) < 6:
+            head.append(next(lines))
+        server.kill_engine()  # the pool restarts it and resubmits the job from the conversation's checkpoint
+        raw = "\n".join(head + list(lines))
+    events = [json.loads(line[5:]) for line in raw.splitlines() if line.startswith("data:")]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))  # nothing twice, nothing lost
+    done = events[-1]["response"]
+    text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    twin = client.conversations.create(extra_body={"seed": 9})
+    whole = client.responses.create(model=MODEL_NAME, input="The fox", conversation=twin.id, max_output_tokens=100)
+    assert text == whole.output_text == done["output"][0]["content"][0]["text"]
+    assert client.responses.retrieve(done["id"]).output_text == text
+    assert "engine 0 died" in server.log()

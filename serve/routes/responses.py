@@ -255,6 +255,7 @@ class Output:
         self.lines: list[dict[str, Any]] = []
         self.end: dict[str, Any] | None = None
         self.message: int | None = None  # the ordinal of the reply's message (its item id)
+        self.last_seq = -1  # the sequence number of the last event sent
 
     def take(self, event: dict[str, Any]) -> None:
         if event["event"] == "start":
@@ -309,12 +310,23 @@ class Output:
     # -- the stream -----------------------------------------------------------------------------------
     def event(self, kind: str, seq: int, position: int | str, **fields) -> ServerSentEvent:
         payload = {"type": kind, "sequence_number": seq, **fields}
+        self.last_seq = seq
         return ServerSentEvent(data(payload), event=kind, id=event_id(self.public, self.start, position))
 
     def part(self, text: str) -> dict[str, Any]:
         return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
     async def stream(self, events: AsyncIterator[dict[str, Any]], drop) -> AsyncIterator[ServerSentEvent]:
+        """The events of the response; an error once the stream has begun is an `error` event, as
+        OpenAI sends it, and ends the stream."""
+        try:
+            async for out in self._events(events, drop):
+                yield out
+        except ApiError as e:
+            yield ServerSentEvent(data({"type": "error", "sequence_number": self.last_seq + 1, "code": e.code,
+                                        "message": e.message, "param": e.param}), event="error")
+
+    async def _events(self, events: AsyncIterator[dict[str, Any]], drop) -> AsyncIterator[ServerSentEvent]:
         where = {"output_index": 0, "content_index": 0}
         sent_header = self.after is not None
         async for event in events:

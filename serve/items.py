@@ -11,6 +11,9 @@ what GET returns survives restarts with no state of its own:
   (`previous_response_id`); the reply's last token says how it ended (end of sequence: completed;
   else the token limit: incomplete). The items of a response taken from a conversation keep the
   conversation's item ids.
+
+Not kept, so not returned: `metadata` (accepted, always `{}`), a request's `max_output_tokens`
+(null on GET). `instructions` on GET are the system messages among the response's input.
 """
 
 from __future__ import annotations
@@ -46,8 +49,8 @@ def info_of(store, who: Tenant, public: str, prefix: str):
         raise not_found(what, public) from None
 
 
-def conversation_object(public: str, info, metadata: dict[str, str] | None = None) -> dict[str, Any]:
-    return {"id": public, "object": "conversation", "created_at": epoch(info.created_at), "metadata": metadata or {}}
+def conversation_object(public: str, info) -> dict[str, Any]:
+    return {"id": public, "object": "conversation", "created_at": epoch(info.created_at), "metadata": {}}
 
 
 def message_item(item_id: str, role: str, text: str, status: str = "completed") -> dict[str, Any]:
@@ -80,11 +83,11 @@ def usage(input_tokens: int, output_tokens: int, cached: int) -> dict[str, Any]:
 def response_object(public: str, *, created_at: int, model: str, status: str, output: list[dict[str, Any]],
                     usage_: dict[str, Any] | None, previous: str | None, conversation: str | None,
                     instructions: str | None, sampler: dict[str, Any], max_output_tokens: int | None = None,
-                    stored: bool = True, metadata: dict[str, str] | None = None) -> dict[str, Any]:
+                    stored: bool = True) -> dict[str, Any]:
     return {"id": public, "object": "response", "created_at": created_at, "status": status, "model": model,
             "output": output, "error": None,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-            "instructions": instructions, "max_output_tokens": max_output_tokens, "metadata": metadata or {},
+            "instructions": instructions, "max_output_tokens": max_output_tokens, "metadata": {},
             "previous_response_id": previous, "conversation": {"id": conversation} if conversation else None,
             "parallel_tool_calls": False, "tool_choice": "none", "tools": [], "text": {"format": {"type": "text"}},
             "temperature": sampler.get("temperature"), "top_p": sampler.get("top_p"), "store": stored,

@@ -158,7 +158,7 @@ class InputMessage(Strict):
 
 class ConversationCreate(Strict):
     items: list[InputMessage] | None = Field(None, max_length=20)
-    metadata: dict[str, str] | None = None  # echoed, not kept: a conversation holds its KV, messages, settings
+    metadata: dict[str, str] | None = None  # accepted, not kept: a conversation holds its KV, messages, settings
     seed: int | None = Field(None, ge=0, lt=2**63)  # kvstore: the session's seed (random when not given)
 
 

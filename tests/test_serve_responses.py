@@ -275,6 +275,20 @@ def test_stream_events_ids_and_last_event_id_resume(client, server):
                          "response.content_part.added"] and kinds[-1] in ("response.completed", "response.incomplete")
 
 
+def test_a_late_last_event_id_replays_the_response_after_the_conversation_went_on(client, server):
+    conv = client.conversations.create(extra_body={"seed": 21})
+    body = {"model": MODEL_NAME, "input": "The fox", "conversation": conv.id, "stream": True, "max_output_tokens": 12}
+    http = server.http(ALICE)
+    with http.stream("POST", "/v1/responses", json=body) as first:
+        whole = sse(first)  # all of it; say the client lost the end
+    ask(client, "and then?", conversation=conv.id)  # the conversation goes on
+    with http.stream("POST", "/v1/responses", json=body, headers={"Last-Event-ID": whole[6]["id"]}) as resumed:
+        rest = sse(resumed)  # from the response's own session: the conversation holds more now
+    assert [(e["event"], e["id"], e["data"]["sequence_number"]) for e in rest] == \
+        [(e["event"], e["id"], e["data"]["sequence_number"]) for e in whole[7:]]
+    assert [e["data"].get("delta") for e in rest] == [e["data"].get("delta") for e in whole[7:]]
+    assert rest[-1]["data"]["response"]["output"] == whole[-1]["data"]["response"]["output"]
+
 def test_a_response_survives_its_engines_death(client, server):
     conv = client.conversations.create(extra_body={"seed": 9})
     body = {"model": MODEL_NAME, "input": "The fox", "conversation": conv.id, "stream": True,
@@ -295,3 +309,27 @@ def test_a_response_survives_its_engines_death(client, server):
     assert text == whole.output_text == done["output"][0]["content"][0]["text"]
     assert client.responses.retrieve(done["id"]).output_text == text
     assert "engine 0 died" in server.log()
+
+
+def test_kill_9_of_the_server_then_last_event_id(client, server):
+    """Last in the module: it restarts the server (same home, same port)."""
+    conv = client.conversations.create(extra_body={"seed": 13})
+    body = {"model": MODEL_NAME, "input": "The fox", "conversation": conv.id, "stream": True,
+            "max_output_tokens": 100}
+    with server.http(ALICE).stream("POST", "/v1/responses", json=body) as stream:
+        cut = sse(stream, limit=8)
+        server.kill()  # the API process; its engines checkpoint and leave
+    server.start()
+    with server.http(ALICE).stream("POST", "/v1/responses", json=body,
+                                   headers={"Last-Event-ID": cut[-1]["id"]}) as resumed:
+        rest = sse(resumed)
+    events = cut + rest
+    assert [e["data"]["sequence_number"] for e in events] == list(range(len(events)))
+    text = "".join(e["data"]["delta"] for e in events if e["event"] == "response.output_text.delta")
+    twin = client.conversations.create(extra_body={"seed": 13})
+    whole = client.responses.create(model=MODEL_NAME, input="The fox", conversation=twin.id, max_output_tokens=100)
+    assert text == whole.output_text
+    rid = cut[0]["data"]["response"]["id"]
+    assert client.responses.retrieve(rid).output_text == text  # acknowledged: the snapshot is in the store
+    items = client.conversations.items.list(conv.id, order="asc").data
+    assert [i.role for i in items] == ["user", "assistant"] and items[1].content[0].text == text

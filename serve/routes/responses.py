@@ -66,7 +66,7 @@ async def create_conversation(body: ConversationCreate, request: Request, who: T
     await svc.manage({"kind": "conversation", "session": who.stored(public),
                       "create": svc.new_session_settings(body.seed, {}),
                       "items": [m.plain() for m in body.items or ()]})
-    return conversation_object(public, store(request).info(who.stored(public)), body.metadata)
+    return conversation_object(public, store(request).info(who.stored(public)))
 
 
 @router.get("/v1/conversations/{conversation_id}")
@@ -297,8 +297,7 @@ class Output:
             usage_=usage(end["prompt_tokens"], end["completion_tokens"], end["cached_tokens"]) if end else None,
             previous=body.previous_response_id, conversation=body.conversation_id(),
             instructions="\n".join(system) or None, sampler=self.run.spec["sampling"],
-            max_output_tokens=body.max_output_tokens,
-            stored=body.store, metadata=body.metadata)
+            max_output_tokens=body.max_output_tokens, stored=body.store)
         out["kvstore"] = {"session": self.run.public, "context": self.run.context}
         if body.kvstore_trace and end:
             out["kvstore"]["trace"] = self.lines

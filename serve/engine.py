@@ -23,7 +23,9 @@ from typing import Any
 
 import kvstore
 
-from . import jobs
+from . import conversations, jobs
+
+jobs.KINDS.update(conversations.KINDS)  # the Responses and Conversations APIs' jobs
 
 
 class Engine:
@@ -130,7 +132,7 @@ def main(conn, settings: dict[str, Any]) -> None:
     model = kvstore.load_model(settings["model"], dtype=settings.get("dtype"))
     engine = Engine(store, model, max_open=settings.get("max_open", 16))
     conn.send({"event": "ready", "pid": os.getpid(), "model": settings["model_id"],
-               "max_context": model.config.max_context})
+               "max_context": model.config.max_context, "eos_ids": sorted(model.tokenizer.eos_ids)})
     try:
         Loop(conn, engine).run()
     finally:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -65,7 +66,9 @@ def is_loopback(host: str) -> bool:
 def serve(app, host, port, model, served_model_name, dtype, workers, threads, api_key_file, allow_unauthenticated,
           max_queue, max_running, max_open, max_tokens, max_body, max_import, chunk_size, checkpoint_every, grace,
           log_format):
-    """Serve the store over HTTP: an OpenAI-compatible API whose conversations are stored sessions.
+    """Serve the store over HTTP: an OpenAI-compatible API.
+
+    Its conversations are stored sessions: each request resumes its session's KV from the store.
 
     \b
     Endpoints: /v1/chat/completions, /v1/completions, /v1/responses, /v1/conversations,
@@ -76,7 +79,12 @@ def serve(app, host, port, model, served_model_name, dtype, workers, threads, ap
     """
     from .tenants import read_keys
 
-    keys = read_keys(api_key_file, os.environ.get("KVSTORE_API_KEYS"))
+    try:
+        keys = read_keys(api_key_file, os.environ.get("KVSTORE_API_KEYS"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise click.UsageError(f"the API keys: {e}") from None
+    if api_key_file is not None and not keys:
+        raise click.UsageError(f"--api-key-file {api_key_file} holds no API key (one per line)")
     if not keys and not is_loopback(host) and not allow_unauthenticated:
         raise click.UsageError(f"--host {host} is reachable from other machines and no API keys are set: pass "
                                "--api-key-file (or $KVSTORE_API_KEYS), or --allow-unauthenticated to serve it open")
@@ -106,4 +114,12 @@ def run(config: ServeConfig) -> None:
                                            timeout_graceful_shutdown=config.grace))
     logger.info("kvstore serve: http://%s:%d (model %s, %d engine%s)", config.host, config.port, config.served_name(),
                 config.workers, "s" if config.workers > 1 else "")
+    # uvicorn drains on SIGTERM (stops accepting, waits up to the grace period, then the lifespan
+    # checkpoints what is left), restores the handler it found and raises the signal again: with this
+    # one found, that is the end of a clean stop and the command exits 0, as a supervisor expects.
+    signal.signal(signal.SIGTERM, _drained)
     server.run()
+
+
+def _drained(signum, frame) -> None:
+    logging.getLogger("kvstore.serve").info("kvstore serve: stopped (SIGTERM)")

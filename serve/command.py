@@ -6,6 +6,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -79,7 +80,12 @@ def serve(app, host, port, model, served_model_name, dtype, workers, threads, ap
     """
     from .tenants import read_keys
 
-    keys = read_keys(api_key_file, os.environ.get("KVSTORE_API_KEYS"))
+    try:
+        keys = read_keys(api_key_file, os.environ.get("KVSTORE_API_KEYS"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise click.UsageError(f"the API keys: {e}") from None
+    if api_key_file is not None and not keys:
+        raise click.UsageError(f"--api-key-file {api_key_file} holds no API key (one per line)")
     if not keys and not is_loopback(host) and not allow_unauthenticated:
         raise click.UsageError(f"--host {host} is reachable from other machines and no API keys are set: pass "
                                "--api-key-file (or $KVSTORE_API_KEYS), or --allow-unauthenticated to serve it open")
@@ -109,4 +115,12 @@ def run(config: ServeConfig) -> None:
                                            timeout_graceful_shutdown=config.grace))
     logger.info("kvstore serve: http://%s:%d (model %s, %d engine%s)", config.host, config.port, config.served_name(),
                 config.workers, "s" if config.workers > 1 else "")
+    # uvicorn drains on SIGTERM (stops accepting, waits up to the grace period, then the lifespan
+    # checkpoints what is left), restores the handler it found and raises the signal again: with this
+    # one found, that is the end of a clean stop and the command exits 0, as a supervisor expects.
+    signal.signal(signal.SIGTERM, _drained)
     server.run()
+
+
+def _drained(signum, frame) -> None:
+    logging.getLogger("kvstore.serve").info("kvstore serve: stopped (SIGTERM)")

@@ -207,25 +207,34 @@ def test_kill_9_of_the_engine_mid_stream_the_api_stays_up_and_the_reply_is_whole
         assert "kvstore:engine_restarts_total 1.0" in metrics
 
 
-def test_a_long_reply_does_not_hold_back_another_sessions_first_token(server):
+def test_a_long_reply_does_not_hold_back_another_sessions_first_token(tmp_path, model_folder):
     import threading
 
-    done = {}
+    # a checkpoint after every token: the tiny model's long reply then takes long enough to overlap
+    with LiveServer(tmp_path / "home", model_folder, "--chunk-size", str(CHUNK), "--threads", "1",
+                    "--checkpoint-every", "1") as server:
+        progress = {"events": 0, "done": False}
 
-    def long_one():
-        stream_events(server, {**long_request("long"), "kvstore_trace": False}, {})
-        done["long"] = True
+        def long_one():
+            body = {**long_request("long"), "kvstore_trace": False, "temperature": 0}
+            with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=120) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        progress["events"] += 1
+            progress["done"] = True
 
-    t = threading.Thread(target=long_one)
-    t.start()
-    try:
-        while not server.http().get("/metrics").text.count('kvstore:num_requests_running 1.0'):
-            pass
-        short = chat(server.client(), "short", [{"role": "user", "content": "quick"}], max_tokens=3)
-        assert short.usage.completion_tokens == 3
-        assert "long" not in done, "the short reply waited for the long one to finish"
-    finally:
-        t.join(120)
+        t = threading.Thread(target=long_one)
+        t.start()
+        try:
+            while progress["events"] < 3:
+                assert t.is_alive(), "the long reply ended before it began"
+            short = chat(server.client(), "short", [{"role": "user", "content": "quick"}], max_tokens=3)
+            seen = progress["events"]
+            assert short.usage.completion_tokens == 3
+            assert not progress["done"], "the short reply waited for the long one to finish"
+        finally:
+            t.join(120)
+        assert progress["done"] and progress["events"] > seen + 20  # the long one went on after it
 
 
 def test_two_engines_each_session_pinned_to_one_and_one_engine_dying_spares_the_other(tmp_path, model_folder):

@@ -60,12 +60,14 @@ def is_loopback(host: str) -> bool:
               help="Generated tokens between checkpoints of the sessions the server creates.")
 @click.option("--grace", default=30.0, show_default=True, type=click.FloatRange(0, 3600),
               help="Seconds SIGTERM waits for requests in flight before checkpointing and exiting.")
+@click.option("--keep-alive", default=15.0, show_default=True, type=click.FloatRange(0.05, 3600),
+              help="Seconds between keep-alive comments on a stream that sends nothing (a long prompt).")
 @click.option("--log-format", type=click.Choice(["text", "json"]), default="text", show_default=True,
               help="One line per request: key=value text, or a JSON object.")
 @click.pass_obj
 def serve(app, host, port, model, served_model_name, dtype, workers, threads, api_key_file, allow_unauthenticated,
           max_queue, max_running, max_open, max_tokens, max_body, max_import, chunk_size, checkpoint_every, grace,
-          log_format):
+          keep_alive, log_format):
     """Serve the store over HTTP: an OpenAI-compatible API.
 
     Conversations are stored sessions: a client resends its history, the server feeds only
@@ -94,7 +96,7 @@ def serve(app, host, port, model, served_model_name, dtype, workers, threads, ap
                          threads=threads, api_keys=keys, allow_open=allow_unauthenticated, max_queue=max_queue,
                          max_running=max_running, max_open=max_open, max_tokens=max_tokens, max_body=max_body,
                          max_import=max_import, chunk_size=chunk_size, checkpoint_every=checkpoint_every,
-                         grace=grace, log_format=log_format)
+                         grace=grace, keep_alive=keep_alive, log_format=log_format)
     run(config)
 
 

@@ -14,6 +14,8 @@ import json
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
+from sse_starlette import EventSourceResponse, ServerSentEvent
+
 from .failures import ApiError
 
 END = 2**62  # `after` for a stream whose last event was received: nothing left but the end
@@ -76,3 +78,18 @@ def trace_line(event: dict[str, Any]) -> dict[str, Any]:
 
 def data(payload: dict[str, Any]) -> str:
     return json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+
+
+class KeepAlive(ServerSentEvent):
+    """What an idle stream sends every `--keep-alive` seconds, so that proxies keep it open: a
+    comment line without the blank line that would end an event. (A blank line after an event
+    with an id is an empty event to clients that keep the last id, as SSE says they must: the
+    openai client then fails to parse it.)"""
+
+    def encode(self) -> bytes:
+        return b": keep-alive\r\n"
+
+
+def event_stream(events, keep_alive: float) -> EventSourceResponse:
+    """The response for a generator of ServerSentEvent."""
+    return EventSourceResponse(events, ping=keep_alive, ping_message_factory=KeepAlive)

@@ -212,7 +212,7 @@ def test_a_long_reply_does_not_hold_back_another_sessions_first_token(tmp_path, 
 
     # a checkpoint after every token: the tiny model's long reply then takes long enough to overlap
     with LiveServer(tmp_path / "home", model_folder, "--chunk-size", str(CHUNK), "--threads", "1",
-                    "--checkpoint-every", "1") as server:
+                    "--checkpoint-every", "1", "--keep-alive", "0.05") as server:
         progress = {"events": 0, "done": False}
 
         def long_one():
@@ -235,6 +235,14 @@ def test_a_long_reply_does_not_hold_back_another_sessions_first_token(tmp_path, 
         finally:
             t.join(120)
         assert progress["done"] and progress["events"] > seen + 20  # the long one went on after it
+
+        # keep-alive comments every 50 ms in a stream of ids: the openai client reads it whole
+        chunks = list(server.client().chat.completions.create(
+            model=MODEL_NAME, messages=[{"role": "user", "content": "a long one, please"}], max_tokens=200,
+            stream=True, extra_body={"session": "kept-alive"}, temperature=0))
+        assert b": keep-alive" in httpx.post(server.url + "/v1/chat/completions", json={
+            **long_request("raw-look"), "kvstore_trace": False, "stream": True}, timeout=120).content
+        assert chunks[-1].choices[0].finish_reason in ("length", "stop") and len(chunks) > 20
 
 
 def test_two_engines_each_session_pinned_to_one_and_one_engine_dying_spares_the_other(tmp_path, model_folder):

@@ -14,13 +14,13 @@ from typing import Any, AsyncIterator
 
 from fastapi import APIRouter, Depends, Header, Request
 from fastapi.responses import JSONResponse
-from sse_starlette import EventSourceResponse, ServerSentEvent
+from sse_starlette import ServerSentEvent
 
 from ..deps import service, tenant
 from ..failures import ApiError
 from ..protocol import ChatRequest
 from ..service import Run
-from ..streams import chained, data, event_id, first_events, parse_last_event_id, trace_line, usage
+from ..streams import event_stream, chained, data, event_id, first_events, parse_last_event_id, trace_line, usage
 from ..tenants import Tenant
 
 router = APIRouter()
@@ -59,8 +59,8 @@ async def chat_completions(body: ChatRequest, request: Request, who: Tenant = De
     reply = Reply(run, svc.model_id, body.kvstore_trace)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return EventSourceResponse(reply.stream(chained(first, events), include_usage, svc if own else None,
-                                                resumed=resume is not None), ping=15)
+        return event_stream(reply.stream(chained(first, events), include_usage, svc if own else None,
+                                                resumed=resume is not None), svc.config.keep_alive)
     async for event in chained(first, events):
         reply.take(event)
     if own:

@@ -9,13 +9,13 @@ from typing import Any, AsyncIterator
 
 from fastapi import APIRouter, Depends, Header, Request
 from fastapi.responses import JSONResponse
-from sse_starlette import EventSourceResponse, ServerSentEvent
+from sse_starlette import ServerSentEvent
 
 from ..deps import service, tenant
 from ..failures import ApiError
 from ..protocol import CompletionRequest
 from ..service import Run
-from ..streams import chained, data, event_id, first_events, parse_last_event_id, trace_line, usage
+from ..streams import event_stream, chained, data, event_id, first_events, parse_last_event_id, trace_line, usage
 from ..tenants import Tenant
 from .chat import session_of
 
@@ -42,7 +42,7 @@ async def completions(body: CompletionRequest, request: Request, who: Tenant = D
     out = Completion(run, svc.model_id, body.kvstore_trace)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return EventSourceResponse(out.stream(chained(first, events), include_usage, svc if own else None), ping=15)
+        return event_stream(out.stream(chained(first, events), include_usage, svc if own else None), svc.config.keep_alive)
     async for event in chained(first, events):
         out.take(event)
     if own:

@@ -25,7 +25,7 @@ from typing import Any, AsyncIterator
 
 from fastapi import APIRouter, Depends, Header, Query, Request
 from fastapi.responses import JSONResponse
-from sse_starlette import EventSourceResponse, ServerSentEvent
+from sse_starlette import ServerSentEvent
 
 from kvstore import errors
 
@@ -35,7 +35,7 @@ from ..items import (CONVERSATION, RESPONSE, StoredResponse, conversation_items,
                      item_id, message_item, ordinal_of, response_object, usage)
 from ..protocol import ConversationCreate, ItemsCreate, ResponseRequest
 from ..service import Run
-from ..streams import chained, data, event_id, first_events, parse_last_event_id, trace_line
+from ..streams import event_stream, chained, data, event_id, first_events, parse_last_event_id, trace_line
 from ..tenants import Tenant
 
 router = APIRouter()
@@ -181,7 +181,7 @@ async def create_response(body: ResponseRequest, request: Request, who: Tenant =
     out = Output(run, public, body, svc.model_id, resume.after if resume else None)
     drop = svc if not body.store and writer == public else None
     if body.stream:
-        return EventSourceResponse(out.stream(chained(first, events), drop), ping=15)
+        return event_stream(out.stream(chained(first, events), drop), svc.config.keep_alive)
     async for event in chained(first, events):
         out.take(event)
     if drop is not None:

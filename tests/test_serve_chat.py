@@ -134,22 +134,28 @@ def test_completions_continue_raw_text(server):
     assert streamed == a.choices[0].text
 
 
+def sse_events(lines, on_event=None) -> list[tuple[str, dict]]:
+    """(id, data) of each SSE event in raw lines (data None for [DONE]); `on_event(events)` after
+    each one may return True to stop reading (the client goes away)."""
+    out, event_id = [], None
+    for line in lines:
+        if line.startswith("id: "):
+            event_id = line[4:]
+        elif line.startswith("data: "):
+            payload = line[6:]
+            out.append((event_id, None if payload == "[DONE]" else json.loads(payload)))
+            event_id = None
+            if on_event is not None and on_event(out):
+                break
+    return out
+
+
 def stream_events(server, body: dict, headers: dict, *, stop_after: int | None = None) -> list[tuple[str, dict]]:
-    """(id, data) of each SSE event, reading raw; `stop_after` n content events: the client goes away."""
-    out = []
+    """The events of a streamed request, read raw; `stop_after` n events with ids: then the client goes away."""
     with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, headers=headers, timeout=120) as r:
         assert r.status_code == 200, r.read()
-        event_id = None
-        for line in r.iter_lines():
-            if line.startswith("id: "):
-                event_id = line[4:]
-            elif line.startswith("data: "):
-                payload = line[6:]
-                out.append((event_id, None if payload == "[DONE]" else json.loads(payload)))
-                event_id = None
-                if stop_after is not None and sum(1 for i, _ in out if i) >= stop_after:
-                    return out
-    return out
+        enough = (lambda out: sum(1 for i, _ in out if i) >= stop_after) if stop_after is not None else None
+        return sse_events(r.iter_lines(), enough)
 
 
 def text_of(events) -> str:
@@ -186,21 +192,16 @@ def test_kill_9_of_the_engine_mid_stream_the_api_stays_up_and_the_reply_is_whole
     with LiveServer(tmp_path / "home", model_folder, "--chunk-size", str(CHUNK), "--threads", "1",
                     "--checkpoint-every", "4") as server:
         whole = stream_events(server, long_request("uncut"), {})
-        events = []
-        with httpx.stream("POST", server.url + "/v1/chat/completions", json=long_request("cut"),
-                          timeout=120) as r:
-            killed = False
-            event_id = None
-            for line in r.iter_lines():
-                if line.startswith("id: "):
-                    event_id = line[4:]
-                elif line.startswith("data: "):
-                    payload = line[6:]
-                    events.append((event_id, None if payload == "[DONE]" else json.loads(payload)))
-                    if not killed and len(events) == 30:
-                        old = server.kill_engine()
-                        killed = True
+        killed = []
+
+        def kill_at_30(out):
+            if len(out) == 30 and not killed:
+                killed.append(server.kill_engine())
+
+        with httpx.stream("POST", server.url + "/v1/chat/completions", json=long_request("cut"), timeout=120) as r:
+            events = sse_events(r.iter_lines(), kill_at_30)
         assert killed and events[-1][1] is None
+        old = killed[0]
         assert text_of(events) == text_of(whole) and tokens_of(events) == tokens_of(whole)
         assert server.engine_pids() != [old]
         metrics = httpx.get(server.url + "/metrics").text

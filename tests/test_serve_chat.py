@@ -43,12 +43,13 @@ def chat(client, session: str | None, messages: list[dict], max_tokens: int = 24
                                           extra_body=extra, **{**SAMPLING, **kw})
 
 
-def library_conversation(folder: str, home, turns: list[str], max_tokens: int = 24) -> list[list[dict]]:
+def library_conversation(folder: str, home, turns: list[str], max_tokens: int = 24,
+                         chunk: int = CHUNK) -> list[list[dict]]:
     """The same conversation through the library: trace lines per turn."""
     model = kvstore.load_model(folder)
     store = kvstore.open_store(home)
     traces = []
-    with single_thread(), store.new("lib", model, seed=SAMPLING["seed"], chunk_size=CHUNK,
+    with single_thread(), store.new("lib", model, seed=SAMPLING["seed"], chunk_size=chunk,
                                     temperature=SAMPLING["temperature"], top_p=SAMPLING["top_p"]) as s:
         for i, turn in enumerate(turns):
             path = home / f"turn-{i}.jsonl"
@@ -263,3 +264,19 @@ def test_two_engines_each_session_pinned_to_one_and_one_engine_dying_spares_the_
         assert contexts == {"restored", "reused"}  # the dead engine's sessions came back from disk
         new_pids = server.engine_pids()
         assert new_pids[1] == pids[1] and new_pids[0] != pids[0]
+
+
+def test_the_real_model_over_http_is_the_librarys_bit_for_bit(tmp_path, smollm2_path):
+    turns = ["Name a colour.", "And another one?"]
+    with LiveServer(tmp_path / "home", str(smollm2_path), "--threads", "1") as server:
+        client = server.client()
+        messages, http_traces = [], []
+        for turn in turns:
+            messages.append({"role": "user", "content": turn})
+            reply = chat(client, "real", messages, max_tokens=12)
+            messages.append({"role": "assistant", "content": reply.choices[0].message.content})
+            http_traces.append(reply.kvstore["trace"])
+    expected = library_conversation(str(smollm2_path), tmp_path / "lib", turns, max_tokens=12,
+                                    chunk=kvstore.DEFAULT_CHUNK)
+    assert expected == http_traces
+    assert all(len(t) > 0 for t in http_traces)

@@ -1,8 +1,8 @@
 """Turning a job's events into what OpenAI clients read: event ids, resumable streams, usage.
 
 Every streamed event carries an id `SESSION/START/POSITION`: the session, the position where the
-reply began and the position of the token the event carries (`SESSION/START/end` for the last
-one). A client that lost its stream resends the same request with `Last-Event-ID: <the last id it
+reply began and the position of the token the event carries (START-1 for what comes before the
+first token, `SESSION/START/end` for the last chunk, the usage and `[DONE]`). A client that lost its stream resends the same request with `Last-Event-ID: <the last id it
 received>` and gets the rest of the reply, from the same session (`parse_last_event_id`).
 `first_events` reads a job up to its first token, so that an error before any output is an HTTP
 error with its status, not an event inside a 200 stream.

@@ -183,6 +183,7 @@ def test_last_event_id_after_kill_9_of_the_server_finishes_the_reply_exactly(tmp
         server.start()
         rest = stream_events(server, long_request("cut"), {"Last-Event-ID": last_id})
         assert rest[-1][1] is None  # [DONE]
+        assert all(i for i, _ in got + rest), "every event has an id"
         assert text_of(got) + text_of(rest) == text_of(whole)
         assert tokens_of(got) + tokens_of(rest) == tokens_of(whole)
         again = stream_events(server, long_request("cut"), {"Last-Event-ID": [i for i, _ in rest if i][-1]})

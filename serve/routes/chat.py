@@ -56,7 +56,7 @@ async def chat_completions(body: ChatRequest, request: Request, who: Tenant = De
     run = Run(spec, who, public, id=request_id, route="chat.completions")
     events = svc.run(run)
     first = await first_events(events)
-    reply = ChatReply(run, svc.model_id, body.kvstore_trace)
+    reply = ChatReply(run, svc.model_id, body.kvstore_trace, first)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return event_stream(reply.stream(chained(first, events), include_usage, svc if own else None,
@@ -75,13 +75,15 @@ class Reply:
     prefix = "chatcmpl"
     object = "chat.completion.chunk"
 
-    def __init__(self, run: Run, model: str, trace: bool):
+    def __init__(self, run: Run, model: str, trace: bool, first: list[dict[str, Any]] = ()):
         self.run, self.model, self.trace = run, model, trace
         self.id = f"{self.prefix}-{run.id}"
         self.created = int(time.time())
         self.text: list[str] = []
         self.lines: list[dict[str, Any]] = []
-        self.start: int | None = run.spec.get("reply_start")
+        self.start: int | None = run.spec.get("reply_start")  # else the first token's position, when known
+        if self.start is None:
+            self.start = next((e["position"] for e in first if e["event"] == "token"), None)
         self.end: dict[str, Any] | None = None
 
     def take(self, event: dict[str, Any]) -> str:
@@ -118,8 +120,8 @@ class Reply:
         """The reply as server-sent events; an error once the stream has begun is an
         `{"error": ...}` event, as OpenAI sends it, and ends the stream."""
         public = self.run.public
-        for chunk in [] if resumed else self.opening():
-            yield ServerSentEvent(data(chunk))
+        for chunk in [] if resumed else self.opening():  # its id: the reply's start, nothing received yet
+            yield ServerSentEvent(data(chunk), id=event_id(public, self.start, (self.start or 0) - 1))
         try:
             async for event in events:
                 text = self.take(event)
@@ -133,9 +135,10 @@ class Reply:
         end = self.end
         yield ServerSentEvent(data(self.piece(end["text"], end["finish_reason"], kvstore={"session": public})),
                               id=event_id(public, self.start, "end"))
+        done = event_id(public, self.start, "end")
         if include_usage:
-            yield ServerSentEvent(data(self.head(choices=[], usage=usage(end))))
-        yield ServerSentEvent("[DONE]")
+            yield ServerSentEvent(data(self.head(choices=[], usage=usage(end))), id=done)
+        yield ServerSentEvent("[DONE]", id=done)
         if drop is not None:
             await drop.drop_session(self.run.spec["session"])
 

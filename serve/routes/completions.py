@@ -36,7 +36,7 @@ async def completions(body: CompletionRequest, request: Request, who: Tenant = D
     run = Run(spec, who, public, id=request_id, route="completions")
     events = svc.run(run)
     first = await first_events(events)
-    out = CompletionReply(run, svc.model_id, body.kvstore_trace)
+    out = CompletionReply(run, svc.model_id, body.kvstore_trace, first)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return event_stream(out.stream(chained(first, events), include_usage, svc if own else None), svc.config.keep_alive)

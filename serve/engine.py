@@ -131,6 +131,7 @@ def main(conn, settings: dict[str, Any]) -> None:
     store = kvstore.open_store(settings["home"], url=settings.get("index"))
     model = kvstore.load_model(settings["model"], dtype=settings.get("dtype"))
     engine = Engine(store, model, max_open=settings.get("max_open", 16))
+    warm_up(model)
     conn.send({"event": "ready", "pid": os.getpid(), "model": settings["model_id"],
                "max_context": model.config.max_context, "eos_ids": sorted(model.tokenizer.eos_ids)})
     try:
@@ -138,6 +139,21 @@ def main(conn, settings: dict[str, Any]) -> None:
     finally:
         engine.close()
         store.close()
+
+
+def warm_up(model, prompt_tokens: int = 64, steps: int = 2) -> None:
+    """Run a prefill and a few decode steps on a scratch cache before saying ready, so that the first
+    request does not pay for first touches (the weights' pages, the kernels' setup, the buffers). It
+    changes no bit of any later run (the forward depends on its inputs only: tests/test_determinism_perf.py)."""
+    prompt_tokens = max(1, min(prompt_tokens, model.config.max_context - steps - 1))
+    ids = [i % model.config.vocab_size for i in range(1, prompt_tokens + 1)]
+    seq = kvstore.Sequence(model, chunk_size=prompt_tokens)
+    try:
+        list(seq.extend(ids))
+        for _ in seq.generate(kvstore.SamplerSettings(), seed=0, max_new_tokens=steps):
+            pass
+    finally:
+        seq.close()
 
 
 def _exit(*_) -> None:

@@ -15,6 +15,8 @@ import click
 
 import kvstore
 
+from kvstore_serve.command import serve as serve_command
+
 from . import generation, manage
 
 EXIT_ERROR = 1  # a library error (unknown session, busy, wrong model, corrupt data, ...)
@@ -114,3 +116,4 @@ def pull(app: App, model: str):
 
 generation.register(cli)
 manage.register(cli)
+cli.add_command(serve_command)

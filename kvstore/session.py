@@ -18,6 +18,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import sys
+import time
 import weakref
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -54,6 +55,7 @@ class Session:
         self._dirty_messages: set[int] = set()
         self._dirty = False  # settings or the call in progress changed since the last checkpoint
         self.on_checkpoint: Callable[[int, int, int], None] | None = None  # (head, n_tokens, n_cached)
+        self.last_checkpoint_seconds = 0.0  # how long the last commit took (a service's metric)
         _OPEN.add(self)
 
     # -- opening ---------------------------------------------------------------------------------
@@ -101,6 +103,16 @@ class Session:
             self._checkpoint_every, self._dirty = int(n), True
 
     @property
+    def stop_reason(self) -> str | None:
+        """Why the last generation call ended: "eos", "stop" (a stop string), "length", "context"."""
+        return self.seq.stop_reason
+
+    @property
+    def chunk_size(self) -> int:
+        """Prefill chunks end at multiples of this, in absolute positions (fixed at creation)."""
+        return self.seq.chunk_size
+
+    @property
     def directory(self) -> Path:
         return self.store.session_dir(self.id)
 
@@ -122,7 +134,9 @@ class Session:
                         else None, n_cached, hidden_bytes(self.seq.hidden) if n_cached == len(tokens) > 0 else None,
                         self.active_call, self.settings.to_dict(), self._checkpoint_every,
                         [self.messages[i] for i in sorted(self._dirty_messages)])
+        started = time.perf_counter()
         self.head = commit(self.store, self.id, self.name, head, change)
+        self.last_checkpoint_seconds = time.perf_counter() - started
         self._dirty_messages.clear()
         self._dirty = False
         if self.on_checkpoint is not None:
@@ -161,19 +175,67 @@ class Session:
             yield event.token
 
     def chat(self, message: str, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, *, trace=None,
-             **sampling) -> Iterator[str]:
-        """Add a user turn through the chat template and stream the reply as text pieces."""
+             stop: tuple[str, ...] = (), **sampling) -> Iterator[str]:
+        """Add a user turn through the chat template and stream the reply as text pieces (it ends
+        at EOS, at a stop string or after max_new_tokens)."""
         self._check_open()
         self._seal_call()
-        history = [{"role": m["role"], "content": m["text"]} for m in self.messages]
+        history = self._history()
         ids = turn_ids(self.model.tokenizer, history, {"role": "user", "content": message}, self.seq.tokens)
         start = len(self.seq.tokens)
         self.seq.add(ids)
         self._set_message(len(self.messages), "user", message, start, start + len(ids))
+        yield from self._reply(max_new_tokens, stop, sampling, trace)
+
+    def add_message(self, role: str, content: str) -> int:
+        """Add a message as context, through the chat template, without answering it (an assistant
+        reply written by the caller, a system note): its tokens are pending until the next call feeds
+        them with the rest. Returns how many tokens it added."""
+        self._check_open()
+        self._seal_call()
+        ids = turn_ids(self.model.tokenizer, self._history(), {"role": role, "content": content}, self.seq.tokens,
+                       add_generation_prompt=False)
+        start = len(self.seq.tokens)
+        self.seq.add(ids)
+        self._set_message(len(self.messages), role, content, start, start + len(ids))
+        self._dirty = True
+        return len(ids)
+
+    def respond(self, messages: list[dict[str, str]], max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, *, trace=None,
+                stop: tuple[str, ...] = (), **sampling) -> Iterator[str]:
+        """Answer a whole conversation (`{"role", "content"}` dicts, as an OpenAI request sends it)
+        as one prompt: the chat template's rendering of all of it, prefilled in chunks at absolute
+        positions. This is the cold run of such a request. The session must hold nothing yet, or a
+        prefix of exactly those prompt ids (a fork of a session that read the same beginning: its
+        KV is reused, the rest computed); its messages become `messages` and the reply."""
+        self._check_open()
+        self._seal_call()
+        tok = self.model.tokenizer
+        ids = tok.apply_chat_template(messages, add_generation_prompt=True)
+        have = len(self.seq.tokens)
+        if self.seq.tokens != ids[:have]:
+            raise InvalidArgument(f"session {self.name!r} does not begin with this conversation's prompt; "
+                                  "fork it where they agree, or start a new session")
+        if len(self.messages) > len(messages):
+            raise InvalidArgument(f"session {self.name!r} holds more messages than this conversation")
+        ends = [len(tok.apply_chat_template(messages[:i + 1], add_generation_prompt=False))
+                for i in range(len(messages) - 1)] + [len(ids)]
+        start = 0
+        for ordinal, (m, end) in enumerate(zip(messages, ends)):
+            end = max(start, min(end, len(ids)))
+            self._set_message(ordinal, m["role"], m["content"], start, end)
+            start = end
+        self.seq.add(ids[have:])
+        yield from self._reply(max_new_tokens, stop, sampling, trace)
+
+    def _history(self) -> list[dict[str, str]]:
+        return [{"role": m["role"], "content": m["text"]} for m in self.messages]
+
+    def _reply(self, max_new_tokens: int, stop, sampling: dict[str, Any], trace) -> Iterator[str]:
         reply = len(self.messages)
         self._set_message(reply, "assistant", "", len(self.seq.tokens), len(self.seq.tokens))
         # the call is recorded with the prompt, before its prefill: a turn killed anywhere can be resumed
-        call = self._start_call("chat", max_new_tokens, (), sampling, message=reply)
+        call = self._start_call("chat", max_new_tokens, stop, sampling, message=reply)
         yield from self._pieces(call, trace)
 
     def resume(self, *, trace=None) -> Iterator[str]:

@@ -13,8 +13,10 @@ from .tokenizer import Tokenizer
 
 
 def turn_ids(tokenizer: Tokenizer, history: list[dict[str, str]], message: dict[str, str],
-             session_tokens: list[int]) -> list[int]:
-    full = tokenizer.render_chat(history + [message], add_generation_prompt=True)
+             session_tokens: list[int], *, add_generation_prompt: bool = True) -> list[int]:
+    """The ids `message` adds after `history`; with the assistant's opening (the generation prompt)
+    unless `add_generation_prompt` is False (a message given as context, not answered)."""
+    full = tokenizer.render_chat(history + [message], add_generation_prompt=add_generation_prompt)
     seen = tokenizer.decode(session_tokens) if session_tokens else ""
     if full.startswith(seen) and (seen or not session_tokens):
         text = full[len(seen):]

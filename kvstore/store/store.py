@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import delete, select
+from sqlalchemy import delete, select, update
 from sqlalchemy.exc import DatabaseError, OperationalError
 from sqlalchemy.orm import Session as DB
 
@@ -208,6 +208,34 @@ class Store:
         with self.db() as db, db.begin():
             parent = self.row(db, name)
             fork_rows(db, parent, new_name, at)
+
+    def rename(self, name: str, new_name: str) -> None:
+        """Give a session another name; SessionBusy while a writer has it open."""
+        with self.db() as db:
+            row = self.row(db, name)
+        lock = SessionLock(self.session_dir(row.id), name).acquire()
+        try:
+            with self.db() as db, db.begin():
+                claim_name(db, new_name)
+                db.execute(update(SessionRow).where(SessionRow.id == row.id).values(name=new_name))
+        finally:
+            lock.release()
+
+    def supersede(self, name: str, by: str, keep_as: str) -> None:
+        """In one transaction: session `name` becomes `keep_as`, and session `by` takes the name
+        `name` (a conversation moved onto a new branch); SessionBusy while a writer has either open."""
+        with self.db() as db:
+            old, new = self.row(db, name), self.row(db, by)
+        locks = [SessionLock(self.session_dir(old.id), name).acquire()]
+        try:
+            locks.append(SessionLock(self.session_dir(new.id), by).acquire())
+            with self.db() as db, db.begin():
+                claim_name(db, keep_as)
+                db.execute(update(SessionRow).where(SessionRow.id == old.id).values(name=keep_as))
+                db.execute(update(SessionRow).where(SessionRow.id == new.id).values(name=name))
+        finally:
+            for lock in locks:
+                lock.release()
 
     def delete(self, name: str) -> None:
         """Remove a session (its forks keep what they share with it); files go once unreferenced."""

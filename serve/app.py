@@ -1,0 +1,136 @@
+"""The FastAPI app: routers, error handlers (OpenAI's error shape for every failure), the body-size
+limit, and the lifespan that starts the engines and, at shutdown, drains them.
+
+`create_app(config)` builds it; `command.py` serves it with uvicorn. At shutdown (SIGTERM, Ctrl-C)
+uvicorn stops accepting and waits up to the grace period for requests in flight; then the
+lifespan refuses new work, cancels what is left (each session checkpoints at its next token) and
+stops the engines.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+import kvstore
+
+from .config import ServeConfig
+from .failures import ApiError, from_library
+from .routes import chat, completions, health, responses, sessions
+from .service import Service
+
+log = logging.getLogger("kvstore.serve")
+UNLIMITED_BODY = {"/v1/sessions/import"}  # its own limit: ServeConfig.max_import
+
+
+def create_app(config: ServeConfig) -> FastAPI:
+    service = Service(config)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        app.state.store = kvstore.open_store(config.home, url=config.index)
+        service.pool.start()
+        try:
+            yield
+        finally:
+            service.admission.closed = True
+            await service.pool.stop()
+            app.state.store.close()
+
+    app = FastAPI(title="kvstore", version=kvstore.__version__, lifespan=lifespan,
+                  description="Persistent LLM sessions over an OpenAI-compatible API: conversations held as "
+                              "stored KV, streams that survive a restart.")
+    app.state.service = service
+    for module in (health, chat, completions, responses, sessions):
+        app.include_router(module.router)
+    install_errors(app)
+    app.add_middleware(BodyLimit, limit=config.max_body)
+    return app
+
+
+def install_errors(app: FastAPI) -> None:
+    def answer(e: ApiError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, e: ApiError):
+        return answer(e)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, e: RequestValidationError):
+        return answer(from_validation(e))
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, e: HTTPException):
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return answer(ApiError(e.status_code, str(e.detail), type=kind, code=str(e.status_code)))
+
+    @app.exception_handler(kvstore.errors.KvstoreError)
+    async def library_error(request: Request, e: kvstore.errors.KvstoreError):
+        return answer(from_library(e))
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, e: Exception):
+        log.exception("unexpected error on %s %s", request.method, request.url.path)
+        return answer(from_library(e))
+
+
+def from_validation(e: RequestValidationError) -> ApiError:
+    """A pydantic or JSON error as OpenAI says it: the first problem, the field it is about."""
+    problems = e.errors()
+    first = problems[0] if problems else {"msg": "invalid request", "loc": ()}
+    loc = [str(p) for p in first.get("loc", ()) if p not in ("body",)]
+    message = str(first.get("msg", "invalid request"))
+    if "unsupported:" in message:
+        name, _, reason = message.split("unsupported:", 1)[1].partition(":")
+        return ApiError(400, f"{reason}: '{name}' (kvstore does not implement it)", param=name,
+                        code="unsupported_parameter")
+    kind = first.get("type", "")
+    if kind == "json_invalid":
+        return ApiError(400, "the body is not valid JSON (UTF-8): " + str(first.get("ctx", {}).get("error", message)),
+                        code="invalid_json")
+    if kind == "extra_forbidden":
+        return ApiError(400, f"unknown field '{'.'.join(loc)}'", param=".".join(loc), code="unknown_parameter")
+    if kind == "missing":
+        return ApiError(400, f"missing required field '{'.'.join(loc)}'", param=".".join(loc),
+                        code="missing_required_parameter")
+    return ApiError(400, f"invalid '{'.'.join(loc) or 'body'}': {message}", param=".".join(loc) or None,
+                    code="invalid_value")
+
+
+class TooLarge(ApiError):
+    pass
+
+
+class BodyLimit:
+    """Refuses a body over `limit` bytes with 413, by its Content-Length or as it arrives."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] in UNLIMITED_BODY:
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        too_large = TooLarge(413, f"the request body is larger than this server's limit of {self.limit} bytes",
+                             code="request_too_large")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            response = JSONResponse(too_large.body(), status_code=413)
+            return await response(scope, receive, send)
+        seen = 0
+
+        async def counted():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    raise too_large
+            return message
+
+        await self.app(scope, counted, send)

@@ -1,0 +1,109 @@
+"""`kvstore serve`: the command that starts the service (click; uvicorn and the app are imported
+when it runs, so `kvstore --help` stays fast)."""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+import sys
+from pathlib import Path
+
+import click
+
+from .config import ServeConfig
+
+LOOPBACK_NAMES = {"localhost", "ip6-localhost"}
+
+
+def is_loopback(host: str) -> bool:
+    if host in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+@click.command()
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535), help="Port to listen on.")
+@click.option("--model", "model", default="smollm2", show_default=True,
+              help="Alias (pulled on first start), .gguf file or Hugging Face folder.")
+@click.option("--served-model-name", help="The model's name in the API (default: the alias or file name).")
+@click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), help="Weights and KV dtype.")
+@click.option("--workers", default=1, show_default=True, type=click.IntRange(1, 64),
+              help="Engine processes, each with the model; a session is pinned to one.")
+@click.option("--threads", default=0, type=click.IntRange(0, 1024),
+              help="Torch threads per engine (default: the CPUs divided among the engines).")
+@click.option("--api-key-file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="API keys, one per line; each key is a tenant with its own sessions. "
+                   "Also $KVSTORE_API_KEYS (comma-separated).")
+@click.option("--allow-unauthenticated", is_flag=True,
+              help="Serve a non-loopback address without API keys (refused otherwise).")
+@click.option("--max-queue", default=64, show_default=True, type=click.IntRange(0, 100000),
+              help="Requests that may wait for their session or an engine; beyond: 429 with Retry-After.")
+@click.option("--max-running", default=8, show_default=True, type=click.IntRange(1, 1024),
+              help="Requests one engine runs at once, their tokens interleaved.")
+@click.option("--max-open", default=16, show_default=True, type=click.IntRange(1, 100000),
+              help="Sessions an engine keeps in memory between requests (least recently used closed first).")
+@click.option("--max-tokens", default=4096, show_default=True, type=click.IntRange(1, 10**7),
+              help="The most tokens a request may generate (also the default).")
+@click.option("--max-body", default=8 * 2**20, show_default=True, type=click.IntRange(1024, 2**40),
+              help="Largest request body in bytes (imports: --max-import).")
+@click.option("--max-import", default=4 * 2**30, show_default=True, type=click.IntRange(1024, 2**50),
+              help="Largest archive accepted by POST /v1/sessions/import, in bytes.")
+@click.option("--chunk-size", type=click.IntRange(1, 1 << 20),
+              help="Prefill chunk of the sessions the server creates (default: the library's, 512).")
+@click.option("--checkpoint-every", type=click.IntRange(1, 1 << 20),
+              help="Generated tokens between checkpoints of the sessions the server creates.")
+@click.option("--grace", default=30.0, show_default=True, type=click.FloatRange(0, 3600),
+              help="Seconds SIGTERM waits for requests in flight before checkpointing and exiting.")
+@click.option("--log-format", type=click.Choice(["text", "json"]), default="text", show_default=True,
+              help="One line per request: key=value text, or a JSON object.")
+@click.pass_obj
+def serve(app, host, port, model, served_model_name, dtype, workers, threads, api_key_file, allow_unauthenticated,
+          max_queue, max_running, max_open, max_tokens, max_body, max_import, chunk_size, checkpoint_every, grace,
+          log_format):
+    """Serve the store over HTTP: an OpenAI-compatible API whose conversations are stored sessions.
+
+    \b
+    Endpoints: /v1/chat/completions, /v1/completions, /v1/responses, /v1/conversations,
+    /v1/models, /v1/sessions (list, info, messages, fork, delete, export, import),
+    /health, /metrics. A request names its session with the X-Session-Id header (or
+    "session" in the body); a stream that broke is finished by resending the request
+    with Last-Event-ID.
+    """
+    from .tenants import read_keys
+
+    keys = read_keys(api_key_file, os.environ.get("KVSTORE_API_KEYS"))
+    if not keys and not is_loopback(host) and not allow_unauthenticated:
+        raise click.UsageError(f"--host {host} is reachable from other machines and no API keys are set: pass "
+                               "--api-key-file (or $KVSTORE_API_KEYS), or --allow-unauthenticated to serve it open")
+    config = ServeConfig(home=getattr(app, "home", None), index=getattr(app, "index", None), model=model,
+                         model_id=served_model_name, dtype=dtype, host=host, port=port, workers=workers,
+                         threads=threads, api_keys=keys, allow_open=allow_unauthenticated, max_queue=max_queue,
+                         max_running=max_running, max_open=max_open, max_tokens=max_tokens, max_body=max_body,
+                         max_import=max_import, chunk_size=chunk_size, checkpoint_every=checkpoint_every,
+                         grace=grace, log_format=log_format)
+    run(config)
+
+
+def run(config: ServeConfig) -> None:
+    import uvicorn
+
+    from .app import create_app
+
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s" if config.log_format == "json"
+                                           else "%(asctime)s %(levelname)s %(message)s"))
+    logger = logging.getLogger("kvstore.serve")
+    logger.handlers[:] = [handler]
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    server = uvicorn.Server(uvicorn.Config(create_app(config), host=config.host, port=config.port,
+                                           log_level="warning", access_log=False,
+                                           timeout_graceful_shutdown=config.grace))
+    logger.info("kvstore serve: http://%s:%d (model %s, %d engine%s)", config.host, config.port, config.served_name(),
+                config.workers, "s" if config.workers > 1 else "")
+    server.run()

@@ -1,0 +1,43 @@
+"""The service's settings: what `kvstore serve` was started with (`command.py`), in one dataclass."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class ServeConfig:
+    home: Path | None = None  # the store (None: $KVSTORE_HOME, else the per-user app folder)
+    index: str | None = None  # the index's URL (None: the home's kvstore.db)
+    model: str = "smollm2"  # alias, .gguf file or Hugging Face folder
+    model_id: str | None = None  # the name /v1/models gives it (default: the alias or the file's stem)
+    dtype: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    workers: int = 1  # engine processes
+    threads: int = 0  # torch threads per engine (0: the CPUs / workers)
+    api_keys: list[str] = field(default_factory=list)
+    allow_open: bool = False  # serve a non-loopback address without keys
+    max_queue: int = 64  # requests that may wait; beyond: 429
+    max_running: int = 8  # requests running at once on one engine (their decode steps interleave)
+    max_open: int = 16  # sessions an engine keeps open (cache in memory) between requests
+    max_body: int = 8 * 2**20  # bytes of a request body; beyond: 413 (imports: max_import)
+    max_import: int = 4 * 2**30
+    max_tokens: int = 4096  # the most a request may generate; the default too, within the context
+    chunk_size: int | None = None  # prefill chunk of the sessions this server creates (None: the library's)
+    checkpoint_every: int | None = None
+    grace: float = 30.0  # seconds SIGTERM waits for requests in flight
+    log_format: str = "text"  # or "json": one JSON object per request
+
+    def served_name(self) -> str:
+        if self.model_id:
+            return self.model_id
+        path = Path(self.model)
+        return path.stem if path.suffix == ".gguf" else path.name if os.sep in self.model else self.model
+
+    def engine_threads(self) -> int:
+        if self.threads:
+            return self.threads
+        return max(1, (os.cpu_count() or 1) // max(1, self.workers))

@@ -1,0 +1,197 @@
+"""The engine process: it holds the model and runs the jobs the API process sends (`jobs.py`).
+
+It talks to the API process over one duplex pipe, in dicts:
+- API -> engine: `{"op": "run", "id", **job}`, `{"op": "cancel", "id"}`, `{"op": "stop"}`;
+- engine -> API: `{"event": "ready", "model", "pid"}` once the model is loaded, then the events of
+  each job with its `id`; `{"event": "closed", "id"}` after a cancelled job was checkpointed.
+
+Every running job is advanced one event per round, so one long reply does not hold back another
+session's tokens (a prompt's prefill is one step: interleaving prefill chunks is the batched
+scheduler's job). Sessions stay open (their writer lock held, their cache in memory) between
+requests, up to `max_open`, least recently used closed first; a session is only ever written by the
+engine it is pinned to. When the API process goes away (the pipe's end is closed: a crash, a kill),
+or on `stop`, every job is closed and every session checkpointed before the process exits.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections import OrderedDict
+from typing import Any
+
+import kvstore
+
+from . import jobs
+
+
+class Engine:
+    """The model, the store and the sessions this engine has open."""
+
+    def __init__(self, store, model, *, max_open: int = 16, busy_wait: float = 10.0):
+        self.store, self.model, self.max_open, self.busy_wait = store, model, max_open, busy_wait
+        self.sessions: OrderedDict[str, Any] = OrderedDict()
+        cfg = model.config
+        self.token_bytes = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * model.dtype.itemsize
+
+    def writer(self, name: str, *, create: dict[str, Any] | None = None, wait: bool = False):
+        """(session, how, restore) for `name`: kept open ("reused"), reopened from the store
+        ("restored", with the seconds and bytes that took) or created ("computed") when `create`
+        gives its settings. `wait`: a session still locked by a dying engine is waited for."""
+        if name in self.sessions:
+            self.sessions.move_to_end(name)
+            return self.sessions[name], "reused", {}
+        started = time.perf_counter()
+        try:
+            session = self._open(name, wait)
+            how = "restored"
+        except kvstore.errors.SessionNotFound:
+            if create is None:
+                raise
+            session = self.store.new(name, self.model, **create)
+            how = "computed"
+        seconds = time.perf_counter() - started
+        self._keep(name, session)
+        restore = {"restore_seconds": seconds, "restore_bytes": session.n_cached * self.token_bytes} \
+            if how == "restored" else {}
+        return session, how, restore
+
+    def _open(self, name: str, wait: bool):
+        deadline = time.monotonic() + (self.busy_wait if wait else 0)
+        while True:
+            try:
+                return self.store.open(name, self.model)
+            except kvstore.errors.SessionBusy:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.1)
+
+    def _keep(self, name: str, session) -> None:
+        self.sessions[name] = session
+        while len(self.sessions) > self.max_open:
+            _, oldest = self.sessions.popitem(last=False)
+            oldest.close()
+
+    def branch(self, session, at: int):
+        """A session of the same name that holds `session`'s first `at` positions (a fork; a new
+        empty session when `at` is 0); the old one stays in the store as NAME@N."""
+        name = session.name
+        keep_as = self._free_name(name)
+        fresh = f"{keep_as}.new"
+        settings = {"seed": session.seed, "chunk_size": session.chunk_size,
+                    "checkpoint_every": session.checkpoint_every, **session.settings.to_dict()}
+        if at:
+            session.fork(fresh, at=at + 1).close()  # its KV: [0, at); token `at` pending, fed with the rest
+        else:
+            self.store.create(fresh, self.model, **settings)
+        self.forget(name)
+        self.store.supersede(name, fresh, keep_as)
+        new, _, _ = self.writer(name)
+        return new
+
+    def _free_name(self, name: str) -> str:
+        taken = set(self.store.names())
+        n = 1
+        while f"{name}@{n}" in taken:
+            n += 1
+        return f"{name}@{n}"
+
+    def checkpoint(self, name: str) -> None:
+        if name in self.sessions:
+            self.sessions[name].checkpoint("serve")
+
+    def forget(self, name: str) -> None:
+        session = self.sessions.pop(name, None)
+        if session is not None:
+            session.close()
+
+    def resident(self) -> dict[str, int]:
+        return {"resident_bytes": sum(s.n_cached for s in self.sessions.values()) * self.token_bytes,
+                "open_sessions": len(self.sessions)}
+
+    def close(self) -> None:
+        while self.sessions:
+            _, session = self.sessions.popitem()
+            try:
+                session.close()
+            except Exception:  # noqa: BLE001 -- its last checkpoint stands; close the others
+                pass
+
+
+def main(conn, settings: dict[str, Any]) -> None:
+    """The engine process's entry point (multiprocessing, spawned)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the API process's to handle
+    signal.signal(signal.SIGTERM, _exit)
+    import torch
+
+    torch.set_num_threads(settings["threads"])
+    store = kvstore.open_store(settings["home"], url=settings.get("index"))
+    model = kvstore.load_model(settings["model"], dtype=settings.get("dtype"))
+    engine = Engine(store, model, max_open=settings.get("max_open", 16))
+    conn.send({"event": "ready", "pid": os.getpid(), "model": settings["model_id"],
+               "max_context": model.config.max_context})
+    try:
+        Loop(conn, engine).run()
+    finally:
+        engine.close()
+        store.close()
+
+
+def _exit(*_) -> None:
+    raise SystemExit(0)  # unwinds through main's `finally`: every session checkpointed and closed
+
+
+class Loop:
+    def __init__(self, conn, engine: Engine):
+        self.conn, self.engine = conn, engine
+        self.running: OrderedDict[str, Any] = OrderedDict()
+        self.stopping = False
+
+    def run(self) -> None:
+        while not (self.stopping and not self.running):
+            self._receive(0 if self.running else 0.5)
+            for job_id in list(self.running):
+                self._step(job_id)
+
+    def _receive(self, timeout: float) -> None:
+        try:
+            while self.conn.poll(timeout):
+                timeout = 0
+                self._handle(self.conn.recv())
+        except (EOFError, OSError):  # the API process is gone: checkpoint everything and leave
+            self._close_all()
+            self.stopping = True
+
+    def _handle(self, msg: dict[str, Any]) -> None:
+        if msg["op"] == "run":
+            self.running[msg["id"]] = jobs.run(self.engine, msg)
+        elif msg["op"] == "cancel":
+            job = self.running.pop(msg["id"], None)
+            if job is not None:
+                job.close()  # the session's generator checkpoints as it closes
+                self._send({"event": "closed", "id": msg["id"]})
+        elif msg["op"] == "stop":
+            self.stopping = True
+
+    def _step(self, job_id: str) -> None:
+        try:
+            event = next(self.running[job_id])
+        except StopIteration:
+            del self.running[job_id]
+            return
+        self._send({**event, "id": job_id})
+        if event["event"] in ("end", "error"):
+            self.running.pop(job_id).close()
+
+    def _send(self, msg: dict[str, Any]) -> None:
+        try:
+            self.conn.send(msg)
+        except (BrokenPipeError, OSError):
+            self._close_all()
+            self.stopping = True
+
+    def _close_all(self) -> None:
+        for job in self.running.values():
+            job.close()
+        self.running.clear()

@@ -1,0 +1,185 @@
+"""What an engine process does for one request: a generator of events (dicts) per job.
+
+The engine loop (`engine.py`) advances every running job by one event in turn, so replies on
+different sessions interleave token by token. Kinds:
+
+- `chat`: a conversation (OpenAI messages) on a named session. Stored messages that begin the
+  request's are kept and only the new ones fed (`Session.chat`, as the library would); a request
+  that differs from what the session holds is the cold run of its messages (`Session.respond`), on
+  a fork of the session at the last chunk boundary that both computed alike (`plan`), so the reply
+  is byte-identical to the same request on a new session. The session's name then names the fork;
+  the old branch stays as `NAME@N`.
+- `complete`: raw text appended to a session and continued (`/v1/completions`).
+- any job with `after` (a resumed stream): the reply that was interrupted after that position is
+  replayed from the store and, if it was cut short, finished (`Session.resume`): only what comes
+  after `after` is sent.
+- `fork`, `delete`, `import`: the writes on stored sessions that need the writer's lock.
+
+Events: `start` (how the context was obtained), `token` (replies.token_events), `end` (usage,
+finish reason) or `error` (an OpenAI-shaped error, `failures.py`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import kvstore
+
+from .failures import from_library
+from .replies import ReplyText, Tokens, stored_pieces, token_events
+
+
+@dataclass
+class Plan:
+    kind: str  # "continue" (feed the new messages) or "cold" (answer the whole request, maybe on a fork)
+    new: list[dict[str, str]]  # continue: the messages past the stored ones
+    fork_at: int = 0  # cold: reuse the session's first fork_at positions (0: a new session)
+
+
+def plan(session, messages: list[dict[str, str]]) -> Plan:
+    """How to answer `messages` on `session` (see the module's docstring)."""
+    stored = [{"role": m["role"], "content": m["text"]} for m in session.messages]
+    if not session.tokens:
+        return Plan("cold", [])
+    if stored == messages[:len(stored)] and len(messages) > len(stored) and not session.active_call:
+        return Plan("continue", messages[len(stored):])
+    prompt = session.model.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    common = 0
+    for a, b in zip(session.tokens, prompt):
+        if a != b:
+            break
+        common += 1
+    # KV computed as a cold run computes it: whole chunks of the session's first prefill (that prefill
+    # started at 0 and ended where the first reply began; generated tokens went one at a time)
+    first_reply = next((m["token_start"] for m in session.messages if m["role"] == "assistant"), session.n_cached)
+    size = session.chunk_size
+    reuse = min(common - 1, first_reply, session.n_cached) // size * size
+    return Plan("cold", [], fork_at=max(reuse, 0))
+
+
+def chat(engine, job: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    if job.get("after") is not None:
+        yield from resume(engine, job)
+        return
+    messages = job["messages"]
+    session, how, restore = engine.writer(job["session"], create=job.get("create"))
+    p = plan(session, messages)
+    cached = session.n_cached
+    if p.kind == "cold" and session.tokens:
+        session, cached = engine.branch(session, p.fork_at), p.fork_at
+        how = "reused" if p.fork_at else "computed"
+    yield {"event": "start", "context": how, **restore}
+    sampling = job.get("sampling") or {}
+    tokens = Tokens()
+    args = dict(max_new_tokens=job["max_tokens"], trace=tokens, stop=tuple(job.get("stop") or ()), **sampling)
+    if p.kind == "continue":
+        for m in p.new[:-1]:
+            session.add_message(m["role"], m["content"])
+        pieces = session.chat(p.new[-1]["content"], **args)
+    else:
+        pieces = session.respond(messages, **args)
+    yield from reply(engine, session, pieces, tokens, job, cached)
+
+
+def complete(engine, job: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    if job.get("after") is not None:
+        yield from resume(engine, job)
+        return
+    session, how, restore = engine.writer(job["session"], create=job.get("create"))
+    yield {"event": "start", "context": how if session.tokens else "computed", **restore}
+    cached = session.n_cached
+    session.append_text(job["prompt"])
+    tokens = Tokens()
+    ids = session.generate(job["max_tokens"], trace=tokens, stop=tuple(job.get("stop") or ()), **(job.get("sampling") or {}))
+    yield from reply(engine, session, session.text(ids), tokens, job, cached)
+
+
+def reply(engine, session, pieces, tokens: Tokens, job: dict[str, Any], cached: int, *, after: int = -1,
+          prompt_tokens: int | None = None, finish: str | None = None) -> Iterator[dict[str, Any]]:
+    """The token events of a generation, then its end (usage, finish reason, where it ran)."""
+    tail = ""
+    for event in token_events(pieces, tokens, ReplyText(job.get("stop") or ()), after):
+        if event["event"] == "tail":
+            tail = event["text"]
+        else:
+            yield event
+    lines = tokens.lines
+    start = lines[0]["position"] if lines else len(session.tokens)
+    reason = finish or {"eos": "stop", "stop": "stop"}.get(session.stop_reason or "", "length")
+    yield {"event": "end", "text": tail, "finish_reason": reason, "session": session.name,
+           "prompt_tokens": prompt_tokens if prompt_tokens is not None else start,
+           "cached_tokens": cached, "completion_tokens": len(session.tokens) - start,
+           "last_position": len(session.tokens) - 1, "checkpoint_seconds": session.last_checkpoint_seconds,
+           **engine.resident()}
+
+
+def resume(engine, job: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """Replay the reply that began at `reply_start` after position `after`, finishing it if it was
+    interrupted (the client resent its request with Last-Event-ID)."""
+    try:
+        session, how, restore = engine.writer(job["session"], wait=True)
+    except kvstore.errors.SessionNotFound:
+        if job.get("reply_start") is not None:
+            raise
+        session = None  # an engine that died before it created the session: run the request afresh
+    call = session.active_call if session is not None else None
+    if job.get("reply_start") is None and call is None:  # it died before the reply began: nothing was sent
+        yield from KINDS[job["kind"]](engine, {**job, "after": None})
+        return
+    yield {"event": "start", "context": how, **restore}
+    start = int(job["reply_start"]) if job.get("reply_start") is not None else call["start"]
+    after = int(job["after"]) if job.get("reply_start") is not None else start - 1
+    if (call is not None and call["start"] != start) or not 0 <= start <= after + 1 <= len(session.tokens) + 1:
+        raise kvstore.errors.InvalidArgument(
+            f"Last-Event-ID does not name a position of the last reply of session {session.name!r}; "
+            "resend the request without it")
+    tokens = Tokens()
+    tok = session.model.tokenizer
+    stored = session.tokens[start:]
+    pieces = stored_pieces(kvstore.StreamDecoder(tok), stored, start, tokens, tok.eos_ids)
+    finish = None
+    if call is not None:
+        pieces = _chain(pieces, session.resume(trace=tokens))
+    else:  # it had ended: say why, as the uninterrupted stream did
+        finish = "stop" if (stored and stored[-1] in tok.eos_ids) or len(stored) < job["max_tokens"] else "length"
+    yield from reply(engine, session, pieces, tokens, job, session.n_cached, after=after, prompt_tokens=start,
+                     finish=finish)
+
+
+def _chain(*iterators):
+    for it in iterators:
+        yield from it
+
+
+def manage(engine, job: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """create / fork / delete / import: the writes that need the model or the session's writer lock
+    (held here while the session is open)."""
+    op, name = job["kind"], job["session"]
+    if op == "create":
+        engine.store.create(name, engine.model, **job["settings"])
+    elif op == "fork":
+        engine.checkpoint(name)
+        engine.store.fork(name, job["new_name"], job.get("at"))
+        name = job["new_name"]
+    elif op == "delete":
+        engine.forget(name)
+        engine.store.delete(name)
+    elif op == "import":
+        name = engine.store.import_(job["path"], job.get("new_name"), engine.model)
+    yield {"event": "end", "session": name}
+
+
+KINDS = {"chat": chat, "complete": complete, **{k: manage for k in ("create", "fork", "delete", "import")}}
+
+
+def run(engine, job: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """The job's events; a library error becomes an `error` event (the session is left as it was)."""
+    started = time.perf_counter()
+    try:
+        yield from KINDS[job["kind"]](engine, job)
+    except GeneratorExit:
+        raise
+    except Exception as e:  # noqa: BLE001 -- every failure is an answer to the client, never a dead engine
+        yield {**from_library(e).to_event(), "seconds": time.perf_counter() - started}

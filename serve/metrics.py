@@ -1,0 +1,51 @@
+"""Every Prometheus metric of the service, declared once, named as vLLM names its own
+(`vllm:time_to_first_token_seconds` -> `kvstore:time_to_first_token_seconds`).
+
+One registry per app (tests run several servers in one process). Buckets fit what was measured on
+2 cores: first tokens from milliseconds (a restored session) to tens of seconds (a long prefill).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+TOKEN_GAP = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2, 2.5)
+BYTES = (2**20, 2**22, 2**24, 2**26, 2**28, 2**30, 2**32)
+
+
+class Metrics:
+    def __init__(self):
+        r = self.registry = CollectorRegistry()
+        self.ttft = Histogram("kvstore:time_to_first_token_seconds",
+                              "Time to the first token, by how the context was obtained "
+                              "(restored from disk, reused in memory or on a fork, computed)",
+                              ["context"], buckets=LATENCY, registry=r)
+        self.itl = Histogram("kvstore:inter_token_latency_seconds", "Time between two tokens of a reply",
+                             buckets=TOKEN_GAP, registry=r)
+        self.e2e = Histogram("kvstore:e2e_request_latency_seconds", "Request latency, arrival to last byte",
+                             buckets=LATENCY, registry=r)
+        self.queue = Histogram("kvstore:request_queue_time_seconds", "Time a request waited before it ran",
+                               buckets=LATENCY, registry=r)
+        self.running = Gauge("kvstore:num_requests_running", "Requests running on an engine", registry=r)
+        self.waiting = Gauge("kvstore:num_requests_waiting", "Requests waiting for their session or an engine",
+                             registry=r)
+        self.prompt_tokens = Counter("kvstore:prompt_tokens_total",
+                                     "Prompt tokens, by source: computed (prefilled) or restored (KV reused)",
+                                     ["source"], registry=r)
+        self.generation_tokens = Counter("kvstore:generation_tokens_total", "Generated tokens", registry=r)
+        self.restore_seconds = Histogram("kvstore:session_restore_seconds",
+                                         "Reopening a session from the store (checksums verified)",
+                                         buckets=LATENCY, registry=r)
+        self.restore_bytes = Counter("kvstore:session_restore_bytes_total", "KV bytes restored from the store",
+                                     registry=r)
+        self.checkpoint_seconds = Histogram("kvstore:checkpoint_seconds", "The last checkpoint of a reply",
+                                            buckets=LATENCY, registry=r)
+        self.resident = Gauge("kvstore:kv_resident_bytes", "KV bytes of the sessions engines hold open",
+                              ["engine"], registry=r)
+        self.restarts = Counter("kvstore:engine_restarts_total", "Engine processes restarted after they died",
+                                registry=r)
+        self.errors = Counter("kvstore:request_errors_total", "Requests answered with an error, by HTTP status",
+                              ["code"], registry=r)
+        self.requests = Counter("kvstore:request_success_total", "Requests finished, by finish reason",
+                                ["finished_reason"], registry=r)

@@ -1,0 +1,207 @@
+"""The request bodies as data: pydantic models that mirror OpenAI's, checked in one place.
+
+Unknown fields are refused (a typo must not be silently ignored); fields OpenAI defines that
+kvstore does not implement are refused with a message that says so (`UNSUPPORTED`); fields with no
+effect here that clients send by habit are accepted (`user`, `metadata`, ...). Every refusal
+becomes a 400 in OpenAI's error shape (`app.py`), with `param` naming the field.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+# fields of OpenAI's API that kvstore does not implement: refused, by name, with this reason
+UNSUPPORTED = {
+    "tools": "tool calls are not supported", "tool_choice": "tool calls are not supported",
+    "functions": "function calls are not supported", "function_call": "function calls are not supported",
+    "parallel_tool_calls": "tool calls are not supported",
+    "logprobs": "logprobs are not supported", "top_logprobs": "logprobs are not supported",
+    "logit_bias": "logit_bias is not supported", "response_format": "structured output is not supported",
+    "audio": "audio is not supported", "modalities": "only text is supported",
+    "prediction": "predicted outputs are not supported", "web_search_options": "web search is not supported",
+    "best_of": "best_of is not supported", "suffix": "suffix is not supported",
+    "echo": "echo is not supported", "reasoning_effort": "reasoning options are not supported",
+    "reasoning": "reasoning options are not supported", "text": "text format options are not supported",
+    "include": "include is not supported", "background": "background responses are not supported",
+    "truncation": "truncation is not supported", "prompt": "prompt templates are not supported",
+}
+MAX_STOPS = 4
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", str_strip_whitespace=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unsupported(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name in data:
+                if name in UNSUPPORTED and name not in cls.model_fields and data[name] not in (None, False, [], {}):
+                    raise ValueError(f"unsupported:{name}:{UNSUPPORTED[name]}")
+        return data
+
+
+class TextPart(Strict):
+    type: Literal["text", "input_text", "output_text"]
+    text: str
+
+
+class Message(Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+    def plain(self) -> dict[str, str]:
+        return {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+
+
+class StreamOptions(Strict):
+    include_usage: bool = False
+    include_obfuscation: bool | None = None  # the openai client may send it; no effect here
+
+
+class Sampling(Strict):
+    """What every generating request shares."""
+    model: str
+    max_tokens: int | None = Field(None, ge=0)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int | None = 1
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    session: str | None = None  # kvstore: the stored session to continue (or the X-Session-Id header)
+    kvstore_trace: bool = False  # kvstore: each token's position, id and logits hash in the reply
+
+    @field_validator("n")
+    @classmethod
+    def _one(cls, v):
+        if v not in (None, 1):
+            raise ValueError("unsupported:n:only n=1 is supported (one reply per request)")
+        return v
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalty(cls, v):
+        if v not in (None, 0, 0.0):
+            raise ValueError("unsupported:penalty:presence and frequency penalties are not supported")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v):
+        stops = [v] if isinstance(v, str) else list(v or [])
+        if len(stops) > MAX_STOPS or any(not s for s in stops):
+            raise ValueError(f"stop takes up to {MAX_STOPS} non-empty strings")
+        return stops
+
+    def sampler(self) -> dict[str, float]:
+        out = {}
+        if self.temperature is not None:
+            out["temperature"] = float(self.temperature)
+        if self.top_p is not None:
+            out["top_p"] = float(self.top_p)
+        return out
+
+
+class ChatRequest(Sampling):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=0)
+
+    def plain_messages(self) -> list[dict[str, str]]:
+        return [m.plain() for m in self.messages]
+
+    def limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class CompletionRequest(Sampling):
+    prompt: str | list[str]
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, v):
+        if isinstance(v, list):
+            if len(v) != 1:
+                raise ValueError("unsupported:prompt:one prompt per request (a list of one string)")
+            return v[0]
+        return v
+
+    def limit(self) -> int | None:
+        return self.max_tokens
+
+
+class ConversationCreate(Strict):
+    items: list[Message] | None = None
+    metadata: dict[str, str] | None = None
+
+
+class InputMessage(Strict):
+    type: Literal["message"] | None = "message"
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+
+    def plain(self) -> dict[str, str]:
+        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+
+
+class ResponseRequest(Strict):
+    model: str
+    input: str | list[InputMessage]
+    instructions: str | None = None
+    conversation: str | dict[str, str] | None = None
+    previous_response_id: str | None = None
+    max_output_tokens: int | None = Field(None, ge=0)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    stream: bool = False
+    store: bool = True
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    kvstore_trace: bool = False
+
+    def input_messages(self) -> list[dict[str, str]]:
+        if isinstance(self.input, str):
+            return [{"role": "user", "content": self.input}]
+        return [m.plain() for m in self.input]
+
+    def conversation_id(self) -> str | None:
+        if isinstance(self.conversation, dict):
+            return self.conversation.get("id")
+        return self.conversation
+
+    def sampler(self) -> dict[str, float]:
+        out = {}
+        if self.temperature is not None:
+            out["temperature"] = float(self.temperature)
+        if self.top_p is not None:
+            out["top_p"] = float(self.top_p)
+        return out
+
+
+class ForkRequest(Strict):
+    name: str
+    at: int | None = Field(None, ge=1)
+
+
+class SessionCreate(Strict):
+    name: str
+    system: str | None = None
+    seed: int = Field(0, ge=0, lt=2**63)
+    temperature: float = Field(0.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)

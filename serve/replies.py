@@ -1,0 +1,88 @@
+"""A reply as the engine sends it: one event per generated token, with the text it releases.
+
+`Tokens` is the file-like that a session's trace writer writes to (one JSON line per generated
+token: position, id, logits hash); `ReplyText` holds back text that could begin a stop string and
+cuts the reply where one appears (OpenAI leaves stop strings out of the reply). The events of a
+reply are a function of its tokens alone, so a stream that is resumed after position p replays the
+reply from its start and sends only what comes after p: the client gets exactly the rest.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Iterable, Iterator
+
+
+class Tokens:
+    """Collects the trace lines the library writes while it generates (`trace=` argument)."""
+
+    def __init__(self):
+        self.lines: list[dict[str, Any]] = []
+
+    def write(self, text: str) -> None:
+        for line in text.splitlines():
+            if line.strip():
+                self.lines.append(json.loads(line))
+
+    def flush(self) -> None:
+        pass
+
+
+class ReplyText:
+    def __init__(self, stops: Iterable[str] = ()):
+        self.stops = [s for s in stops if s]
+        self.hold = max((len(s) for s in self.stops), default=1) - 1
+        self.pending = ""
+        self.stopped = False
+
+    def push(self, piece: str) -> str:
+        """The text that `piece` releases (nothing once a stop string was seen)."""
+        if self.stopped:
+            return ""
+        self.pending += piece
+        cuts = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        if cuts:
+            out, self.pending, self.stopped = self.pending[:min(cuts)], "", True
+            return out
+        keep = min(self.hold, len(self.pending))
+        out, self.pending = self.pending[:len(self.pending) - keep], self.pending[len(self.pending) - keep:]
+        return out
+
+    def flush(self) -> str:
+        out = "" if self.stopped else self.pending
+        self.pending = ""
+        return out
+
+
+def token_events(pieces: Iterator[str], tokens: Tokens, text: ReplyText, after: int = -1) -> Iterator[dict[str, Any]]:
+    """Events `{"event": "token", "position", "token", "logits_sha256", "text"}` for the tokens a
+    generation writes to `tokens` while `pieces` yields its text, only those past position `after`;
+    then `{"event": "tail", "text"}`: what was held back until the end (the reply's last characters)."""
+    sent, carry = 0, ""
+    for piece in pieces:
+        carry += text.push(piece)
+        new, sent = tokens.lines[sent:], len(tokens.lines)
+        for i, line in enumerate(new):
+            last = i == len(new) - 1
+            if line["position"] > after:
+                yield token_event(line, carry if last else "")
+            if last:
+                carry = ""
+    for line in tokens.lines[sent:]:  # tokens that released no piece (EOS, say)
+        if line["position"] > after:
+            yield token_event(line, "")
+    yield {"event": "tail", "text": carry + text.flush()}
+
+
+def token_event(line: dict[str, Any], text: str) -> dict[str, Any]:
+    return {"event": "token", "position": line["position"], "token": line["token"],
+            "logits_sha256": line.get("logits_sha256"), "text": text}
+
+
+def stored_pieces(decoder, ids: list[int], start: int, tokens: Tokens, skip: frozenset = frozenset()) -> Iterator[str]:
+    """The text pieces of stored reply tokens `ids` (from position `start`), each recorded in
+    `tokens` as the trace writer would (without a logits hash: they were not computed again)."""
+    for offset, token in enumerate(ids):
+        tokens.lines.append({"position": start + offset, "token": token, "logits_sha256": None})
+        if token not in skip and (piece := decoder.push(token)):
+            yield piece

@@ -1,0 +1,5 @@
+"""OpenAI's Responses and Conversations APIs (not written yet)."""
+
+from fastapi import APIRouter
+
+router = APIRouter()

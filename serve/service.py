@@ -1,0 +1,179 @@
+"""The service's state and its one way of running a job: admission, the engine, metrics, the log line.
+
+`Service.run(request)` is what every generating route calls: it waits for the session's turn
+(`admission.py`), submits the job to the session's engine (`pool.py`) and yields the engine's
+events while recording the metrics (time to first token by how the context was obtained, gaps
+between tokens, tokens restored / computed / generated, restore and checkpoint times) and, at the
+end, one log line for the request. A client that goes away cancels its job: the engine
+checkpoints the session at the next token.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from .admission import Admission
+from .config import ServeConfig
+from .failures import ApiError
+from .metrics import Metrics
+from .pool import Pool
+from .tenants import Keys, Tenant
+
+log = logging.getLogger("kvstore.serve")
+
+
+@dataclass
+class Run:
+    """One generating request: what the route asked, and what the service learned while it ran."""
+    spec: dict[str, Any]  # the job (jobs.py)
+    tenant: Tenant
+    public: str  # the session's name as the tenant knows it
+    route: str
+    id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
+    arrived: float = field(default_factory=time.perf_counter)
+    context: str = "computed"
+    first_token: float | None = None
+    end: dict[str, Any] | None = None
+    status: int = 200
+    outcome: str = "ok"
+
+
+class Service:
+    def __init__(self, config: ServeConfig):
+        self.config = config
+        self.metrics = Metrics()
+        self.keys = Keys(config.api_keys)
+        settings = {"home": str(config.home) if config.home else None, "index": config.index,
+                    "model": config.model, "model_id": config.served_name(), "dtype": config.dtype,
+                    "threads": config.engine_threads(), "max_open": config.max_open}
+        self.pool = Pool(settings, config.workers, self.metrics)
+        self.admission = Admission(self.metrics, engines=config.workers, max_running=config.max_running,
+                                   max_queue=config.max_queue)
+        self.model_id = config.served_name()
+        self.created = int(time.time())
+
+    # -- checks a route makes ------------------------------------------------------------------------
+    def check_model(self, name: str) -> None:
+        if name != self.model_id:
+            raise ApiError(404, f"the model {name!r} does not exist here; this server runs {self.model_id!r} "
+                                "(GET /v1/models)", param="model", code="model_not_found")
+
+    def max_tokens(self, asked: int | None) -> int:
+        limit = self.config.max_tokens
+        if asked is None:
+            return limit
+        if asked > limit:
+            raise ApiError(400, f"max_tokens is {asked}, above this server's limit of {limit}", param="max_tokens",
+                           code="invalid_value")
+        return asked
+
+    def new_session_settings(self, seed: int | None, sampling: dict[str, float]) -> dict[str, Any]:
+        """How a session this request creates is made: OpenAI's defaults (temperature 1) unless asked."""
+        create: dict[str, Any] = {"seed": seed if seed is not None else uuid.uuid4().int % 2**62,
+                                  "temperature": sampling.get("temperature", 1.0),
+                                  "top_p": sampling.get("top_p", 1.0)}
+        if self.config.chunk_size:
+            create["chunk_size"] = self.config.chunk_size
+        if self.config.checkpoint_every:
+            create["checkpoint_every"] = self.config.checkpoint_every
+        return create
+
+    # -- running -------------------------------------------------------------------------------------
+    async def run(self, run: Run) -> AsyncIterator[dict[str, Any]]:
+        """The job's events (start, token..., end); an error event is raised as ApiError."""
+        engine = self.pool.engine_for(run.spec["session"])
+        job = None
+        try:
+            async with self.admission.slot(run.spec["session"], engine):
+                job = await self.pool.submit(run.spec, engine)
+                last = None
+                while True:
+                    event = await job.events.get()
+                    kind = event["event"]
+                    if kind == "error":
+                        raise ApiError.from_event(event)
+                    now = time.perf_counter()
+                    if kind == "start":
+                        self._started(run, event)
+                    elif kind == "token":
+                        if run.first_token is None:
+                            run.first_token = now
+                            self.metrics.ttft.labels(run.context).observe(now - run.arrived)
+                        elif last is not None:
+                            self.metrics.itl.observe(now - last)
+                        last = now
+                    yield event
+                    if kind == "end":
+                        self._ended(run, event)
+                        return
+        except ApiError as e:
+            run.status, run.outcome = e.status, e.code or e.type
+            self.metrics.errors.labels(str(e.status)).inc()
+            raise
+        except BaseException:
+            run.outcome = "cancelled"  # the client went away (or the server is stopping)
+            raise
+        finally:
+            if job is not None and not job.finished:
+                self.pool.cancel(job)
+            self._log(run)
+
+    def _started(self, run: Run, event: dict[str, Any]) -> None:
+        run.context = event["context"]
+        if "restore_seconds" in event:
+            self.metrics.restore_seconds.observe(event["restore_seconds"])
+            self.metrics.restore_bytes.inc(event["restore_bytes"])
+
+    def _ended(self, run: Run, event: dict[str, Any]) -> None:
+        run.end = event
+        m = self.metrics
+        computed = max(0, event["prompt_tokens"] - event["cached_tokens"])
+        m.prompt_tokens.labels("computed").inc(computed)
+        m.prompt_tokens.labels("restored").inc(event["cached_tokens"])
+        m.generation_tokens.inc(event["completion_tokens"])
+        m.checkpoint_seconds.observe(event["checkpoint_seconds"])
+        m.resident.labels(str(self.pool.engine_for(run.spec["session"]))).set(event["resident_bytes"])
+        m.requests.labels(event["finish_reason"]).inc()
+        m.e2e.observe(time.perf_counter() - run.arrived)
+
+    def _log(self, run: Run) -> None:
+        end = run.end or {}
+        record = {
+            "request_id": run.id, "route": run.route, "session": run.public, "tenant": run.tenant.id,
+            "context": run.context, "tokens_restored": end.get("cached_tokens", 0),
+            "tokens_computed": max(0, end.get("prompt_tokens", 0) - end.get("cached_tokens", 0)),
+            "tokens_generated": end.get("completion_tokens", 0),
+            "ttft_s": round(run.first_token - run.arrived, 4) if run.first_token else None,
+            "duration_s": round(time.perf_counter() - run.arrived, 4), "status": run.status, "outcome": run.outcome,
+        }
+        if self.config.log_format == "json":
+            log.info(json.dumps(record))
+        else:
+            log.info(" ".join(f"{k}={v}" for k, v in record.items()))
+
+    async def drop_session(self, tenant_session: str) -> None:
+        """Delete a session this server made for one request (the stateless ones), once delivered."""
+        engine = self.pool.engine_for(tenant_session)
+        try:
+            job = await self.pool.submit({"kind": "delete", "session": tenant_session}, engine)
+            while (await job.events.get())["event"] not in ("end", "error"):
+                pass
+        except Exception as e:  # noqa: BLE001 -- a leftover session is listed, not lost
+            log.warning("could not delete the one-request session %s: %s", tenant_session, e)
+
+    async def manage(self, spec: dict[str, Any]) -> dict[str, Any]:
+        """A fork, delete or import on the session's engine; its end event (ApiError on error)."""
+        engine = self.pool.engine_for(spec["session"])
+        async with self.admission.slot(spec["session"], engine):
+            job = await self.pool.submit(spec, engine)
+            while True:
+                event = await job.events.get()
+                if event["event"] == "error":
+                    raise ApiError.from_event(event)
+                if event["event"] == "end":
+                    return event

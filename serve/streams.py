@@ -1,0 +1,78 @@
+"""Turning a job's events into what OpenAI clients read: event ids, resumable streams, usage.
+
+Every streamed event carries an id `SESSION/START/POSITION`: the session, the position where the
+reply began and the position of the token the event carries (`SESSION/START/end` for the last
+one). A client that lost its stream resends the same request with `Last-Event-ID: <the last id it
+received>` and gets the rest of the reply, from the same session (`parse_last_event_id`).
+`first_events` reads a job up to its first token, so that an error before any output is an HTTP
+error with its status, not an event inside a 200 stream.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+from .failures import ApiError
+
+END = 2**62  # `after` for a stream whose last event was received: nothing left but the end
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    session: str
+    start: int
+    after: int
+
+
+def parse_last_event_id(value: str | None) -> ResumePoint | None:
+    if not value:
+        return None
+    try:
+        session, start, position = value.strip().rsplit("/", 2)
+        after = END if position == "end" else int(position)
+        point = ResumePoint(session, int(start), after)
+    except ValueError:
+        raise ApiError(400, f"Last-Event-ID {value[:80]!r} is not an id this server sent (SESSION/START/POSITION)",
+                       param="Last-Event-ID", code="invalid_value") from None
+    if not session or point.start < 0 or point.after < point.start - 1:
+        raise ApiError(400, f"Last-Event-ID {value[:80]!r} names no position of a reply", param="Last-Event-ID",
+                       code="invalid_value")
+    return point
+
+
+def event_id(public: str, start: int | None, position: int | str) -> str:
+    return f"{public}/{start if start is not None else 0}/{position}"
+
+
+async def first_events(events: AsyncIterator[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The events up to and including the first token (or the end); ApiError raised as is."""
+    got = []
+    async for event in events:
+        got.append(event)
+        if event["event"] in ("token", "end"):
+            break
+    return got
+
+
+async def chained(first: list[dict[str, Any]], rest: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
+    for event in first:
+        yield event
+    if not first or first[-1]["event"] != "end":
+        async for event in rest:
+            yield event
+
+
+def usage(end: dict[str, Any]) -> dict[str, Any]:
+    return {"prompt_tokens": end["prompt_tokens"], "completion_tokens": end["completion_tokens"],
+            "total_tokens": end["prompt_tokens"] + end["completion_tokens"],
+            "prompt_tokens_details": {"cached_tokens": end["cached_tokens"]}}
+
+
+def trace_line(event: dict[str, Any]) -> dict[str, Any]:
+    return {"position": event["position"], "token": event["token"], "logits_sha256": event["logits_sha256"]}
+
+
+def data(payload: dict[str, Any]) -> str:
+    return json.dumps(payload, ensure_ascii=False, separators=(",", ":"))

@@ -420,18 +420,21 @@ def service_case(sv: dict, case: str) -> list[str]:
     return lines + [""]
 
 
-def service_totals(sv: dict) -> list[str]:
+def service_totals(doc: dict) -> list[str]:
+    sv = doc["serve"]
     starts = {}
     for s in sv.get("starts", []):
         starts.setdefault(s["server"], []).append(s["ready_s"])
     lines = ["**All turns**", "",
-             "| server | turns | completion tokens | aggregate tok/s | ready after start, median |",
-             "|---|---:|---:|---:|---:|"]
+             "| server | turns | completion tokens | aggregate tok/s | ready after start, median | load average (1 min) |",
+             "|---|---:|---:|---:|---:|---:|"]
     for server, x in sv["summary"].items():
         ready = sorted(starts.get(server, [0.0]))
+        load = x.get("load_1min")
         lines.append(f"| {server} | {x['turns']} | {x['completion_tokens']:,} | {x['tok_s']:.1f} | "
-                     f"{seconds(ready[len(ready) // 2])} |")
-    return lines + [""]
+                     f"{seconds(ready[len(ready) // 2])} | {f'{load[0]:.2f}–{load[1]:.2f}' if load else ''} |")
+    return lines + ["", f"The machine has {doc['machine']['cores']} cores: a load average above the servers' own "
+                        "threads means other work shared them, which shows in the spread.", ""]
 
 
 def service_section(doc: dict, suite_machine: dict | None) -> list[str]:
@@ -443,7 +446,7 @@ def service_section(doc: dict, suite_machine: dict | None) -> list[str]:
     lines += [service_table(sv), ""]
     for case in CASE_TITLES:
         lines += service_case(sv, case)
-    return lines + service_totals(sv)
+    return lines + service_totals(doc)
 
 
 def not_measured(r: dict) -> list[str]:

@@ -15,7 +15,8 @@ Contract:
   (SIGKILL) and starts the server again on the same folder; at the end it is stopped (SIGTERM, then
   SIGKILL). A server that exits or is not ready within READY_TIMEOUT_S is an error naming its log.
 - Client. The official `openai` package, streaming, greedy (temperature 0), `max_tokens` per reply.
-  TTFT: from sending the request to the first chunk with non-empty content. A reply's tokens: the
+  The model is named as the server's GET /v1/models names it. TTFT: from sending the request to
+  the first chunk with non-empty content. A reply's tokens: the
   stream's usage when the server sends it (stream_options.include_usage), else its content chunks.
   The client resends the whole history every turn, as OpenAI clients do (llama.cpp's prompt cache
   works on it); for kvstore each conversation is also named by the X-Session-Id header.
@@ -31,14 +32,16 @@ Contract:
            that conversation's previous turn
   many     round-robin turns over `many` conversations on a fresh server whose llama.cpp RAM cache
            is sized (--cache_size) for `cache_conversations` of them (its disk cache keeps its
-           default size; kvstore has no such setting)
+           default size) and kvstore keeps as many sessions in memory (--max-open, at least 1), so
+           it restores the others from disk
 - llama.cpp runs in each prompt-cache mode: none, ram (--cache True --cache_type ram), disk
   (--cache True --cache_type disk). For each case its best mode is the one with the lowest TTFT p50,
   and the ratio is that p50 ÷ kvstore's p50. Targets (TARGETS): restart ≥ 20×, back ≥ 10×,
   many ≥ 10×.
 - Output: OUT/serve.json holds every turn of every repetition, the servers' start times, the
   summary per server and case (TTFT p50/p99, aggregate tok/s = completion tokens ÷ request time),
-  the ratios and the targets, the CPU (/proc/cpuinfo), threads and versions. --publish (a full run
+  the ratios and the targets, the load average at each turn (other work on the machine shows in
+  it), the CPU (/proc/cpuinfo), threads and versions. --publish (a full run
   with the peer) also writes benchmarks/results/serve/<cpu>.json, the per-CPU file REPORT.md's
   Service section and the README are built from, and rebuilds them.
 """
@@ -104,7 +107,7 @@ class Server:
     def __init__(self, spec: Spec, folder: Path):
         self.spec, self.folder, self.proc, self.port, self.lives = spec, folder, None, 0, 0
         self.log_path: Path | None = None
-        self.client = None
+        self.client, self.model_id = None, ""
 
     def start(self) -> float:
         """Start it and wait until it is ready: the seconds that took."""
@@ -120,6 +123,7 @@ class Server:
         import openai
 
         self.client = openai.OpenAI(base_url=self.base_url + "/v1", api_key="unused", max_retries=0, timeout=900)
+        self.model_id = self.client.models.list().data[0].id  # the name this server gives its model
         return ready
 
     @property
@@ -185,12 +189,14 @@ def server_env() -> dict:
     return env | {"PYTHONUNBUFFERED": "1", "PYTHONPATH": path}
 
 
-def kvstore_spec(model: str, threads: int, home: Path) -> Spec:
+def kvstore_spec(model: str, threads: int, home: Path, max_open: int | None = None) -> Spec:
+    """`kvstore serve` on a home of its own (max_open: its --max-open, None: its default)."""
     def argv(port: int) -> list[str]:
-        return [sys.executable, "-m", "kvstore_cli", "--home", str(home), "serve", "--host", "127.0.0.1",
-                "--port", str(port), "--model", model, "--threads", str(threads)]
+        cmd = [sys.executable, "-m", "kvstore_cli", "--home", str(home), "serve", "--host", "127.0.0.1",
+               "--port", str(port), "--model", model, "--threads", str(threads)]
+        return cmd + (["--max-open", str(max_open)] if max_open is not None else [])
 
-    return Spec("kvstore", argv, "/health", sessions=True)
+    return Spec("kvstore", argv, "/health", sessions=True, notes={"max_open": max_open})
 
 
 def llama_spec(gguf: Path, threads: int, n_ctx: int, mode: str, cache_size: int | None) -> Spec:
@@ -250,7 +256,7 @@ def turn(server: Server, conv: Conversation, max_tokens: int) -> dict:
     headers = {"X-Session-Id": conv.name} if server.spec.sessions else {}
     messages = conv.ask()
     start = time.perf_counter()
-    stream = server.client.chat.completions.create(model="default", messages=messages, max_tokens=max_tokens,
+    stream = server.client.chat.completions.create(model=server.model_id, messages=messages, max_tokens=max_tokens,
                                             temperature=0, stream=True, stream_options={"include_usage": True},
                                             extra_headers=headers)
     ttft, pieces, usage = None, [], None
@@ -315,7 +321,8 @@ def run_script(spec: Spec, steps: list[tuple], document: str, cfg: dict, folder:
             _, name, case = step
             conv = convs.setdefault(name, Conversation(name, document))
             offset = server.log_size()
-            record = tags | {"case": case, "conversation": name, "turn": conv.turns, "life": server.lives}
+            record = tags | {"case": case, "conversation": name, "turn": conv.turns, "life": server.lives,
+                             "load_1min": os.getloadavg()[0]}
             record |= turn(server, conv, cfg["max_tokens"])
             if not spec.sessions:
                 record |= llama_log_facts(server.log_since(offset))
@@ -349,7 +356,9 @@ def ram_cache_size(gguf: Path, cfg: dict) -> int:
 
 def specs(model: str, gguf: Path | None, threads: int, cfg: dict, modes: list[str], root: Path) -> list[tuple]:
     """[(spec for the base run, spec for the many run)], kvstore first, then llama.cpp per mode."""
-    out = [(kvstore_spec(model, threads, root / "kvstore-base"), kvstore_spec(model, threads, root / "kvstore-many"))]
+    held = max(1, int(cfg["cache_conversations"]))  # kvstore keeps as many sessions in memory as llama.cpp's cache
+    out = [(kvstore_spec(model, threads, root / "kvstore-base"),
+            kvstore_spec(model, threads, root / "kvstore-many", max_open=held))]
     small = ram_cache_size(gguf, cfg) if gguf is not None else None
     for mode in modes:
         out.append((llama_spec(gguf, threads, cfg["n_ctx"], mode, None),
@@ -404,7 +413,9 @@ def summarize(turns: list[dict]) -> dict:
             if these:
                 cases[case] = {"ttft_s": stats([t["ttft_s"] for t in these]), "tok_s": tok_s(these)}
                 cases[case] |= reuse(these)
+        load = [t["load_1min"] for t in mine if "load_1min" in t]
         out[server] = {"cases": cases, "tok_s": tok_s(mine), "turns": len(mine),
+                       "load_1min": [min(load), max(load)] if load else None,
                        "completion_tokens": sum(t["completion_tokens"] for t in mine),
                        "no_content": sum(t["ttft_s"] is None for t in mine)}
     return out

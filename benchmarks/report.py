@@ -392,6 +392,12 @@ def service_header(doc: dict, suite_machine: dict | None) -> list[str]:
              f"case its RAM cache is sized (`--cache_size`) for {cfg['cache_conversations']} conversations. "
              "The ratio is llama.cpp's TTFT p50 in its best mode for the case ÷ kvstore's. p99 is over the turns "
              "shown (with few turns, close to the slowest); tok/s: completion tokens ÷ request time.", ""]
+    if "llama.cpp disk" in sv.get("summary", {}):
+        lines += ["llama-cpp-python's disk cache (0.3.36) takes the entry its lookup matches out of the cache "
+                  "(`LlamaDiskCache.__getitem__` pops it) even when the request then does not use it: a new "
+                  "conversation, whose tokens share the first words of the system line with another's, removes "
+                  "that other conversation's entry. So its disk mode helps a conversation only when no other one "
+                  "ran since, as in the restart case, which runs the same conversation before and after.", ""]
     gone = sv.get("not_measured", {})
     if gone:
         lines += ["Not measured: " + "; ".join(f"{k}: {why}" for k, why in gone.items()) + ".", ""]
@@ -498,7 +504,8 @@ def readme_section(r: dict, services: list[dict] = ()) -> str:
         "The full report, with every figure, the machine, the versions and the plots: "
         "[benchmarks/REPORT.md](benchmarks/REPORT.md).", "", summary_table(r), "", *service,
         "Run it yourself with `python -m benchmarks run` (full, writes the report) or "
-        "`python -m benchmarks run --quick` (under 3 minutes, into `benchmarks/out/`).", ""])
+        "`python -m benchmarks run --quick` (under 3 minutes, into `benchmarks/out/`); the service alone: "
+        "`python -m benchmarks.serve` (`--publish` writes its per-CPU file and rebuilds the report).", ""])
 
 
 def update_readme(path: Path, r: dict, services: list[dict] = ()) -> None:

@@ -292,13 +292,28 @@ def llama_log_facts(text: str) -> dict:
 
 # -- the workload ------------------------------------------------------------------------------------
 def base_script(cfg: dict) -> list[tuple]:
-    """first and next for each conversation; `back_rounds` rounds back to each; then for each: its
-    next turn, a restart, its turn after the restart (the conversation the server ran last, which
-    is llama.cpp's disk cache's best case: its lookup pops the entries it passes over)."""
+    """first and next for each conversation; `back_rounds` rounds back to each; then for each: a
+    turn, a restart, its turn after the restart (so the restart resumes the conversation the server
+    ran last, which is llama.cpp's disk cache's best case: its lookup pops the entry it matches)."""
     names = [f"c{i}" for i in range(cfg["conversations"])]
-    steps = [step for name in names for step in (("turn", name, "first"), ("turn", name, "next"))]
-    steps += [("turn", name, "back") for _ in range(cfg["back_rounds"]) for name in names]
-    return steps + [s for name in names for s in (("turn", name, "next"), ("restart",), ("turn", name, "restart"))]
+    plan = [(name, kind) for name in names for kind in ("first", "again")]
+    plan += [(name, "again") for _ in range(cfg["back_rounds"]) for name in names]
+    plan += [step for name in names for step in ((name, "again"), (None, "restart"), (name, "restart"))]
+    return labelled(plan)
+
+
+def labelled(plan: list[tuple]) -> list[tuple]:
+    """("turn", name, case) and ("restart",) steps from (name, kind): a turn "again" is "next" when
+    the turn before it was the same conversation's, "back" when another's."""
+    steps, before = [], None
+    for name, kind in plan:
+        if name is None:
+            steps.append(("restart",))
+            continue
+        case = kind if kind != "again" else "next" if before == name else "back"
+        steps.append(("turn", name, case))
+        before = name
+    return steps
 
 
 def many_script(cfg: dict) -> list[tuple]:
@@ -495,6 +510,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--publish", action="store_true",
                    help="write benchmarks/results/serve/<cpu>.json and rebuild REPORT.md and the README from it")
     args = p.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the servers (run_script's finally) first
     cfg = dict(QUICK if args.quick else FULL)
     if args.reps:
         cfg["reps"] = args.reps

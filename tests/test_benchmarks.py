@@ -295,10 +295,13 @@ def test_the_service_workload_restarts_right_after_the_conversation_it_resumes()
     steps = serve.base_script(cfg)
     cases = [s[2] for s in steps if s[0] == "turn"]
     n = cfg["conversations"]
-    assert cases.count("first") == n and cases.count("restart") == n and cases.count("back") == n * cfg["back_rounds"]
+    assert cases.count("first") == n and cases.count("restart") == n and cases.count("back") == n * (cfg["back_rounds"] + 1)
     for i, step in enumerate(steps):
         if step[0] == "restart":
             assert steps[i - 1][1] == steps[i + 1][1] and steps[i + 1][2] == "restart"
+        elif step[2] in ("next", "back"):
+            before = next(s for s in reversed(steps[:i]) if s[0] == "turn")
+            assert (before[1] == step[1]) == (step[2] == "next"), (i, step)
     many = serve.many_script(cfg)
     assert [s[2] for s in many].count("many") == cfg["many"] * cfg["rounds"]
     assert len({s[1] for s in many}) == cfg["many"] > cfg["cache_conversations"]

@@ -29,8 +29,8 @@ Contract:
   first    a conversation's first turn (the document)
   next     the next turn of the conversation that just ran
   back     a turn of a conversation after other conversations used the server
-  restart  a conversation's next turn after the server was killed and started again, right after
-           that conversation's previous turn
+  restart  the next turn of the conversation the server ran last, after the server was killed and
+           started again
   many     round-robin turns over `many` conversations on a fresh server whose llama.cpp RAM cache
            is sized (--cache_size) for `cache_conversations` of them (its disk cache keeps its
            default size) and kvstore keeps as many sessions in memory (--max-open, at least 1), so
@@ -68,10 +68,10 @@ from typing import Callable
 import httpx
 
 HERE = Path(__file__).resolve().parent
-FULL = {"doc_chars": 8000, "max_tokens": 32, "conversations": 3, "back_rounds": 2, "many": 4, "rounds": 2,
-        "cache_conversations": 1.5, "n_ctx": 4096, "reps": 1}
-QUICK = {"doc_chars": 1600, "max_tokens": 8, "conversations": 2, "back_rounds": 1, "many": 3, "rounds": 1,
-         "cache_conversations": 1.5, "n_ctx": 2048, "reps": 1}
+FULL = {"doc_chars": 8000, "max_tokens": 32, "conversations": 3, "back_rounds": 2, "restarts": 3, "many": 4,
+        "rounds": 2, "cache_conversations": 1.5, "n_ctx": 4096, "reps": 1}
+QUICK = {"doc_chars": 1600, "max_tokens": 8, "conversations": 2, "back_rounds": 1, "restarts": 2, "many": 3,
+         "rounds": 1, "cache_conversations": 1.5, "n_ctx": 2048, "reps": 1}
 MODES = ("none", "ram", "disk")
 CASES = ("first", "next", "back", "restart", "many")
 TARGETS = {"restart": 20.0, "back": 10.0, "many": 10.0}  # llama.cpp's best TTFT p50 ÷ kvstore's, at least
@@ -341,13 +341,13 @@ def llama_log_facts(text: str) -> dict:
 
 # -- the workload ------------------------------------------------------------------------------------
 def base_script(cfg: dict) -> list[tuple]:
-    """first and next for each conversation; `back_rounds` rounds back to each; then for each: a
-    turn, a restart, its turn after the restart (so the restart resumes the conversation the server
-    ran last, which is llama.cpp's disk cache's best case: its lookup pops the entry it matches)."""
+    """first and next for each conversation; `back_rounds` rounds back to each; then `restarts`
+    times: a restart and the next turn of the conversation the server ran last (no other one in
+    between: llama.cpp's disk cache's best case, as its lookup pops the entry it matches)."""
     names = [f"c{i}" for i in range(cfg["conversations"])]
     plan = [(name, kind) for name in names for kind in ("first", "again")]
     plan += [(name, "again") for _ in range(cfg["back_rounds"]) for name in names]
-    plan += [step for name in names for step in ((name, "again"), (None, "restart"), (name, "restart"))]
+    plan += [step for _ in range(cfg["restarts"]) for step in ((None, "restart"), (names[-1], "restart"))]
     return labelled(plan)
 
 

@@ -295,10 +295,10 @@ def test_the_service_workload_restarts_right_after_the_conversation_it_resumes()
     steps = serve.base_script(cfg)
     cases = [s[2] for s in steps if s[0] == "turn"]
     n = cfg["conversations"]
-    assert cases.count("first") == n and cases.count("restart") == n
-    assert cases.count("back") == n * (cfg["back_rounds"] + 1)  # the rounds, and the turn before each restart
+    assert cases.count("first") == n and cases.count("restart") == cfg["restarts"]
+    assert cases.count("back") == n * cfg["back_rounds"] and cases.count("next") == n
     for i, step in enumerate(steps):
-        if step[0] == "restart":
+        if step[0] == "restart":  # the conversation that ran last, with no other one in between
             assert steps[i - 1][1] == steps[i + 1][1] and steps[i + 1][2] == "restart"
         elif step[2] in ("next", "back"):
             before = next(s for s in reversed(steps[:i]) if s[0] == "turn")

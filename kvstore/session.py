@@ -56,6 +56,8 @@ class Session:
         self._dirty = False  # settings or the call in progress changed since the last checkpoint
         self.on_checkpoint: Callable[[int, int, int], None] | None = None  # (head, n_tokens, n_cached)
         self.last_checkpoint_seconds = 0.0  # how long the last commit took (a service's metric)
+        # chat/respond/resume yield "" after each prefill chunk (a scheduler's turn to run another session)
+        self.prefill_yields = False
         _OPEN.add(self)
 
     # -- opening ---------------------------------------------------------------------------------
@@ -235,15 +237,24 @@ class Session:
         reply = len(self.messages)
         self._set_message(reply, "assistant", "", len(self.seq.tokens), len(self.seq.tokens))
         # the call is recorded with the prompt, before its prefill: a turn killed anywhere can be resumed
-        call = self._start_call("chat", max_new_tokens, stop, sampling, message=reply)
+        call = self._start_call("chat", max_new_tokens, stop, sampling, feed=False, message=reply)
+        yield from self._prefill_steps()
         yield from self._pieces(call, trace)
+
+    def _prefill_steps(self) -> Iterator[str]:
+        """`finish_prefill`, as part of a reply's generator: with `prefill_yields`, an empty piece
+        after each chunk, so that a scheduler running several sessions can interleave them."""
+        for _ in self.seq.prefill():
+            self.checkpoint("prefill")
+            if self.prefill_yields:
+                yield ""
 
     def resume(self, *, trace=None) -> Iterator[str]:
         """Finish a generation that was interrupted (killed, Ctrl-C); text pieces. Nothing if none was."""
         self._check_open()
         if not self.active_call:
             return
-        self.finish_prefill()
+        yield from self._prefill_steps()
         yield from self._pieces(self.active_call, trace)
 
     def text(self, ids: Iterator[int]) -> Iterator[str]:
@@ -267,7 +278,8 @@ class Session:
         if tail := decoder.flush():
             yield tail
 
-    def _start_call(self, kind: str, max_new_tokens: int, stop, sampling: dict[str, Any], **extra) -> dict[str, Any]:
+    def _start_call(self, kind: str, max_new_tokens: int, stop, sampling: dict[str, Any], *, feed: bool = True,
+                    **extra) -> dict[str, Any]:
         self._check_open()
         if max_new_tokens < 0:
             raise InvalidArgument(f"max_new_tokens must be >= 0 (got {max_new_tokens})")
@@ -279,7 +291,8 @@ class Session:
                             "stop": list(stop), **extra}
         self._dirty = True
         self.checkpoint("call")
-        self.finish_prefill()
+        if feed:
+            self.finish_prefill()
         return self.active_call
 
     def _run(self, call: dict[str, Any], trace) -> Iterator[TokenEvent]:

@@ -20,6 +20,7 @@ from starlette.exceptions import HTTPException
 import kvstore
 
 from .config import ServeConfig
+from . import observer
 from .failures import ApiError, from_library
 from .routes import chat, completions, health, responses, sessions
 from .service import Service
@@ -50,11 +51,13 @@ def create_app(config: ServeConfig) -> FastAPI:
         app.include_router(module.router)
     install_errors(app)
     app.add_middleware(BodyLimit, limit=config.max_body)
+    app.add_middleware(observer.Observer, metrics=service.metrics, log_format=config.log_format)  # outermost
     return app
 
 
 def install_errors(app: FastAPI) -> None:
     def answer(e: ApiError) -> JSONResponse:
+        observer.failed(e.status, e.code or e.type)
         return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
     @app.exception_handler(ApiError)
@@ -67,8 +70,11 @@ def install_errors(app: FastAPI) -> None:
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, e: HTTPException):
+        if e.status_code == 400 and e.__cause__ is not None:  # FastAPI could not read the body as JSON
+            return answer(unreadable(e.__cause__))
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        return answer(ApiError(e.status_code, str(e.detail), type=kind, code=str(e.status_code)))
+        return answer(ApiError(e.status_code, str(e.detail), type=kind, code=str(e.status_code),
+                               headers=getattr(e, "headers", None)))
 
     @app.exception_handler(kvstore.errors.KvstoreError)
     async def library_error(request: Request, e: kvstore.errors.KvstoreError):
@@ -103,12 +109,21 @@ def from_validation(e: RequestValidationError) -> ApiError:
                     code="invalid_value")
 
 
-class TooLarge(ApiError):
-    pass
+def unreadable(cause: BaseException) -> ApiError:
+    """The 400 for a body that is not JSON text: bytes that are not UTF-8, nesting too deep to parse."""
+    if isinstance(cause, UnicodeDecodeError):
+        why = f"it is not valid UTF-8 (byte {cause.start})"
+    elif isinstance(cause, RecursionError):
+        why = "it is nested too deeply"
+    else:
+        why = " ".join(str(cause).split())[:200] or type(cause).__name__
+    return ApiError(400, f"the body is not valid JSON: {why}", code="invalid_json")
 
 
 class BodyLimit:
-    """Refuses a body over `limit` bytes with 413, by its Content-Length or as it arrives."""
+    """Reads the body whole before the app sees it, refusing one over `limit` bytes with 413 (by its
+    Content-Length, or as it arrives), then hands it on in one piece. Reading it first is what makes
+    the answer a 413: a limit hit while FastAPI reads the body would be reported as unparsable."""
 
     def __init__(self, app, limit: int):
         self.app, self.limit = app, limit
@@ -117,20 +132,32 @@ class BodyLimit:
         if scope["type"] != "http" or scope["path"] in UNLIMITED_BODY:
             return await self.app(scope, receive, send)
         declared = dict(scope.get("headers") or []).get(b"content-length")
-        too_large = TooLarge(413, f"the request body is larger than this server's limit of {self.limit} bytes",
-                             code="request_too_large")
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            response = JSONResponse(too_large.body(), status_code=413)
-            return await response(scope, receive, send)
-        seen = 0
-
-        async def counted():
-            nonlocal seen
+            return await self.too_large(scope, receive, send)
+        chunks, seen = [], 0
+        while True:
             message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.limit:
-                    raise too_large
-            return message
+            if message["type"] != "http.request":
+                return  # the client went away before it finished sending
+            chunks.append(message.get("body", b""))
+            seen += len(chunks[-1])
+            if seen > self.limit:
+                return await self.too_large(scope, receive, send)
+            if not message.get("more_body", False):
+                break
+        whole = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
 
-        await self.app(scope, counted, send)
+        async def replay():
+            nonlocal whole
+            if whole is not None:
+                message, whole = whole, None
+                return message
+            return await receive()  # after the body: the disconnect, when it comes
+
+        await self.app(scope, replay, send)
+
+    async def too_large(self, scope, receive, send):
+        e = ApiError(413, f"the request body is larger than this server's limit of {self.limit} bytes",
+                     code="request_too_large")
+        observer.failed(e.status, e.code)
+        await JSONResponse(e.body(), status_code=413, headers={"Connection": "close"})(scope, receive, send)

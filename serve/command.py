@@ -6,6 +6,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -59,13 +60,18 @@ def is_loopback(host: str) -> bool:
               help="Generated tokens between checkpoints of the sessions the server creates.")
 @click.option("--grace", default=30.0, show_default=True, type=click.FloatRange(0, 3600),
               help="Seconds SIGTERM waits for requests in flight before checkpointing and exiting.")
+@click.option("--keep-alive", default=15.0, show_default=True, type=click.FloatRange(0.05, 3600),
+              help="Seconds between keep-alive comments on a stream that sends nothing (a long prompt).")
 @click.option("--log-format", type=click.Choice(["text", "json"]), default="text", show_default=True,
               help="One line per request: key=value text, or a JSON object.")
 @click.pass_obj
 def serve(app, host, port, model, served_model_name, dtype, workers, threads, api_key_file, allow_unauthenticated,
           max_queue, max_running, max_open, max_tokens, max_body, max_import, chunk_size, checkpoint_every, grace,
-          log_format):
-    """Serve the store over HTTP: an OpenAI-compatible API whose conversations are stored sessions.
+          keep_alive, log_format):
+    """Serve the store over HTTP: an OpenAI-compatible API.
+
+    Conversations are stored sessions: a client resends its history, the server feeds only
+    what is new and keeps the rest as KV on disk.
 
     \b
     Endpoints: /v1/chat/completions, /v1/completions, /v1/responses, /v1/conversations,
@@ -76,7 +82,12 @@ def serve(app, host, port, model, served_model_name, dtype, workers, threads, ap
     """
     from .tenants import read_keys
 
-    keys = read_keys(api_key_file, os.environ.get("KVSTORE_API_KEYS"))
+    try:
+        keys = read_keys(api_key_file, os.environ.get("KVSTORE_API_KEYS"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise click.UsageError(f"the API keys: {e}") from None
+    if api_key_file is not None and not keys:
+        raise click.UsageError(f"--api-key-file {api_key_file} holds no API key (one per line)")
     if not keys and not is_loopback(host) and not allow_unauthenticated:
         raise click.UsageError(f"--host {host} is reachable from other machines and no API keys are set: pass "
                                "--api-key-file (or $KVSTORE_API_KEYS), or --allow-unauthenticated to serve it open")
@@ -85,7 +96,7 @@ def serve(app, host, port, model, served_model_name, dtype, workers, threads, ap
                          threads=threads, api_keys=keys, allow_open=allow_unauthenticated, max_queue=max_queue,
                          max_running=max_running, max_open=max_open, max_tokens=max_tokens, max_body=max_body,
                          max_import=max_import, chunk_size=chunk_size, checkpoint_every=checkpoint_every,
-                         grace=grace, log_format=log_format)
+                         grace=grace, keep_alive=keep_alive, log_format=log_format)
     run(config)
 
 
@@ -106,4 +117,12 @@ def run(config: ServeConfig) -> None:
                                            timeout_graceful_shutdown=config.grace))
     logger.info("kvstore serve: http://%s:%d (model %s, %d engine%s)", config.host, config.port, config.served_name(),
                 config.workers, "s" if config.workers > 1 else "")
+    # uvicorn drains on SIGTERM (stops accepting, waits up to the grace period, then the lifespan
+    # checkpoints what is left), restores the handler it found and raises the signal again: with this
+    # one found, that is the end of a clean stop and the command exits 0, as a supervisor expects.
+    signal.signal(signal.SIGTERM, _drained)
     server.run()
+
+
+def _drained(signum, frame) -> None:
+    logging.getLogger("kvstore.serve").info("kvstore serve: stopped (SIGTERM)")

@@ -28,6 +28,7 @@ class ServeConfig:
     max_tokens: int = 4096  # the most a request may generate; the default too, within the context
     chunk_size: int | None = None  # prefill chunk of the sessions this server creates (None: the library's)
     checkpoint_every: int | None = None
+    keep_alive: float = 15.0  # seconds between keep-alive comments on an idle stream
     grace: float = 30.0  # seconds SIGTERM waits for requests in flight
     log_format: str = "text"  # or "json": one JSON object per request
 

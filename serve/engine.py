@@ -5,9 +5,8 @@ It talks to the API process over one duplex pipe, in dicts:
 - engine -> API: `{"event": "ready", "model", "pid"}` once the model is loaded, then the events of
   each job with its `id`; `{"event": "closed", "id"}` after a cancelled job was checkpointed.
 
-Every running job is advanced one event per round, so one long reply does not hold back another
-session's tokens (a prompt's prefill is one step: interleaving prefill chunks is the batched
-scheduler's job). Sessions stay open (their writer lock held, their cache in memory) between
+Every running job is advanced one event per round, a token or a prefill chunk, so one long reply
+or one long prompt does not hold back another session's tokens. Sessions stay open (their writer lock held, their cache in memory) between
 requests, up to `max_open`, least recently used closed first; a session is only ever written by the
 engine it is pinned to. When the API process goes away (the pipe's end is closed: a crash, a kill),
 or on `stop`, every job is closed and every session checkpointed before the process exits.
@@ -23,7 +22,9 @@ from typing import Any
 
 import kvstore
 
-from . import jobs
+from . import conversations, jobs
+
+jobs.KINDS.update(conversations.KINDS)  # the Responses and Conversations APIs' jobs
 
 
 class Engine:
@@ -68,6 +69,7 @@ class Engine:
                 time.sleep(0.1)
 
     def _keep(self, name: str, session) -> None:
+        session.prefill_yields = True  # a long prompt's chunks interleave with other sessions' tokens
         self.sessions[name] = session
         while len(self.sessions) > self.max_open:
             _, oldest = self.sessions.popitem(last=False)
@@ -130,7 +132,7 @@ def main(conn, settings: dict[str, Any]) -> None:
     model = kvstore.load_model(settings["model"], dtype=settings.get("dtype"))
     engine = Engine(store, model, max_open=settings.get("max_open", 16))
     conn.send({"event": "ready", "pid": os.getpid(), "model": settings["model_id"],
-               "max_context": model.config.max_context})
+               "max_context": model.config.max_context, "eos_ids": sorted(model.tokenizer.eos_ids)})
     try:
         Loop(conn, engine).run()
     finally:
@@ -180,6 +182,8 @@ class Loop:
         except StopIteration:
             del self.running[job_id]
             return
+        if event["event"] == "prefill":
+            return  # the job had its turn: one chunk of its prompt
         self._send({**event, "id": job_id})
         if event["event"] in ("end", "error"):
             self.running.pop(job_id).close()

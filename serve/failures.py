@@ -11,6 +11,7 @@ from typing import Any
 
 from kvstore import errors
 
+CONTEXT = "exceed the model's context"  # kvstore.engine's ModelError for a sequence longer than the context
 # library error -> (HTTP status, OpenAI error type, code)
 STATUS = [
     (errors.SessionNotFound, 404, "not_found_error", "session_not_found"),
@@ -51,6 +52,8 @@ def from_library(e: BaseException) -> ApiError:
     """The ApiError for one of kvstore's errors (or a ValueError of bad input); a server_error for
     anything else, with its one-line message and no traceback."""
     text = " ".join(str(e).split()) or type(e).__name__
+    if isinstance(e, errors.ModelError) and CONTEXT in text:  # OpenAI's code for a prompt that does not fit
+        return ApiError(400, text, code="context_length_exceeded")
     for kind, status, type_, code in STATUS:
         if isinstance(e, kind):
             return ApiError(status, text, type=type_, code=code)
@@ -59,6 +62,23 @@ def from_library(e: BaseException) -> ApiError:
     if isinstance(e, OSError) and getattr(e, "errno", None) == 28:
         return ApiError(507, f"the store's disk is full: {text}", type="server_error", code="store_full")
     return ApiError(500, f"internal error: {type(e).__name__}: {text}", type="server_error", code="internal_error")
+
+
+def for_tenant(e: ApiError, tenant, public: str | None = None, stored: str | None = None) -> ApiError:
+    """The error as the tenant may read it: its sessions by its own names (the store's prefix taken
+    out), and no path or command-line hint of the server's (a missing session is just not found)."""
+    message = e.message
+    if e.code == "session_not_found":
+        if public is not None:
+            return not_found("session", public)
+        message = message.split(";")[0]
+    if stored and public is not None:
+        message = message.replace(repr(stored), repr(public))
+    if tenant.prefix:
+        message = message.replace(tenant.prefix, "")
+    if message == e.message:
+        return e
+    return ApiError(e.status, message, type=e.type, param=e.param, code=e.code, headers=e.headers)
 
 
 def not_found(what: str, name: str) -> ApiError:

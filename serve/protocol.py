@@ -143,42 +143,66 @@ class CompletionRequest(Sampling):
         return self.max_tokens
 
 
-class ConversationCreate(Strict):
-    items: list[Message] | None = None
-    metadata: dict[str, str] | None = None
-
-
 class InputMessage(Strict):
+    """An input item of the Responses and Conversations APIs: a message (text only)."""
     type: Literal["message"] | None = "message"
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart]
+    id: str | None = None  # an item read back from a conversation, resent as is
+    status: str | None = None
 
     def plain(self) -> dict[str, str]:
         text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
         return {"role": "system" if self.role == "developer" else self.role, "content": text}
 
 
+class ConversationCreate(Strict):
+    items: list[InputMessage] | None = Field(None, max_length=20)
+    metadata: dict[str, str] | None = None  # accepted, not kept: a conversation holds its KV, messages, settings
+    seed: int | None = Field(None, ge=0, lt=2**63)  # kvstore: the session's seed (random when not given)
+
+
+class ItemsCreate(Strict):
+    items: list[InputMessage] = Field(min_length=1, max_length=20)
+
+
 class ResponseRequest(Strict):
     model: str
     input: str | list[InputMessage]
-    instructions: str | None = None
+    instructions: str | None = None  # a system message before the input (kept in the context: it is KV)
     conversation: str | dict[str, str] | None = None
     previous_response_id: str | None = None
     max_output_tokens: int | None = Field(None, ge=0)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    seed: int | None = Field(None, ge=0, lt=2**63)
+    seed: int | None = Field(None, ge=0, lt=2**63)  # kvstore: a new session's seed (a conversation's is fixed)
     stream: bool = False
+    stream_options: StreamOptions | None = None
     store: bool = True
     user: str | None = None
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
+    prompt_cache_key: str | None = None  # no effect: every response's KV is kept anyway
+    safety_identifier: str | None = None
     kvstore_trace: bool = False
 
+    @field_validator("input")
+    @classmethod
+    def _ends_with_user(cls, v):
+        if isinstance(v, list) and (not v or v[-1].role != "user"):
+            raise ValueError("the input must end with a user message (the turn to answer)")
+        return v
+
+    @model_validator(mode="after")
+    def _one_context(self):
+        if self.conversation is not None and self.previous_response_id is not None:
+            raise ValueError("give either conversation or previous_response_id, not both")
+        return self
+
     def input_messages(self) -> list[dict[str, str]]:
-        if isinstance(self.input, str):
-            return [{"role": "user", "content": self.input}]
-        return [m.plain() for m in self.input]
+        given = [{"role": "user", "content": self.input}] if isinstance(self.input, str) else \
+            [m.plain() for m in self.input]
+        return ([{"role": "system", "content": self.instructions}] if self.instructions else []) + given
 
     def conversation_id(self) -> str | None:
         if isinstance(self.conversation, dict):
@@ -186,12 +210,7 @@ class ResponseRequest(Strict):
         return self.conversation
 
     def sampler(self) -> dict[str, float]:
-        out = {}
-        if self.temperature is not None:
-            out["temperature"] = float(self.temperature)
-        if self.top_p is not None:
-            out["top_p"] = float(self.top_p)
-        return out
+        return {k: float(v) for k, v in (("temperature", self.temperature), ("top_p", self.top_p)) if v is not None}
 
 
 class ForkRequest(Strict):

@@ -57,9 +57,13 @@ class ReplyText:
 def token_events(pieces: Iterator[str], tokens: Tokens, text: ReplyText, after: int = -1) -> Iterator[dict[str, Any]]:
     """Events `{"event": "token", "position", "token", "logits_sha256", "text"}` for the tokens a
     generation writes to `tokens` while `pieces` yields its text, only those past position `after`;
-    then `{"event": "tail", "text"}`: what was held back until the end (the reply's last characters)."""
+    then `{"event": "tail", "text"}`: what was held back until the end (the reply's last characters).
+    An empty piece with no token (`Session.prefill_yields`: a prefill chunk done) is `{"event": "prefill"}`."""
     sent, carry = 0, ""
     for piece in pieces:
+        if not piece and len(tokens.lines) == sent:
+            yield {"event": "prefill"}  # a prefill chunk is done: the engine runs another job's step
+            continue
         carry += text.push(piece)
         new, sent = tokens.lines[sent:], len(tokens.lines)
         for i, line in enumerate(new):

@@ -10,16 +10,16 @@ checkpoints the session at the next token.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
+from . import observer
 from .admission import Admission
 from .config import ServeConfig
-from .failures import ApiError
+from .failures import ApiError, for_tenant
 from .metrics import Metrics
 from .pool import Pool
 from .tenants import Keys, Tenant
@@ -112,9 +112,10 @@ class Service:
                         self._ended(run, event)
                         return
         except ApiError as e:
+            e = for_tenant(e, run.tenant, run.public, run.spec["session"])
             run.status, run.outcome = e.status, e.code or e.type
-            self.metrics.errors.labels(str(e.status)).inc()
-            raise
+            observer.failed(e.status, run.outcome)  # counted once the request is over (observer.py)
+            raise e from None
         except BaseException:
             run.outcome = "cancelled"  # the client went away (or the server is stopping)
             raise
@@ -142,6 +143,7 @@ class Service:
         m.e2e.observe(time.perf_counter() - run.arrived)
 
     def _log(self, run: Run) -> None:
+        """The request's log line (written when the request is over: observer.py)."""
         end = run.end or {}
         record = {
             "request_id": run.id, "route": run.route, "session": run.public, "tenant": run.tenant.id,
@@ -151,10 +153,11 @@ class Service:
             "ttft_s": round(run.first_token - run.arrived, 4) if run.first_token else None,
             "duration_s": round(time.perf_counter() - run.arrived, 4), "status": run.status, "outcome": run.outcome,
         }
-        if self.config.log_format == "json":
-            log.info(json.dumps(record))
-        else:
-            log.info(" ".join(f"{k}={v}" for k, v in record.items()))
+        note = observer.note()
+        if note is not None and note.record is None:
+            note.record = record
+        else:  # not inside a request (or its second run): log it now
+            observer.write(record, self.config.log_format)
 
     async def drop_session(self, tenant_session: str) -> None:
         """Delete a session this server made for one request (the stateless ones), once delivered."""
@@ -166,14 +169,16 @@ class Service:
         except Exception as e:  # noqa: BLE001 -- a leftover session is listed, not lost
             log.warning("could not delete the one-request session %s: %s", tenant_session, e)
 
-    async def manage(self, spec: dict[str, Any]) -> dict[str, Any]:
-        """A fork, delete or import on the session's engine; its end event (ApiError on error)."""
+    async def manage(self, spec: dict[str, Any], tenant: Tenant | None = None) -> dict[str, Any]:
+        """A create, fork, delete or import on the session's engine; its end event (ApiError on error,
+        its message in the tenant's names)."""
         engine = self.pool.engine_for(spec["session"])
         async with self.admission.slot(spec["session"], engine):
             job = await self.pool.submit(spec, engine)
             while True:
                 event = await job.events.get()
                 if event["event"] == "error":
-                    raise ApiError.from_event(event)
+                    error = ApiError.from_event(event)
+                    raise (for_tenant(error, tenant) if tenant is not None else error)
                 if event["event"] == "end":
                     return event

@@ -1,8 +1,8 @@
 """Turning a job's events into what OpenAI clients read: event ids, resumable streams, usage.
 
 Every streamed event carries an id `SESSION/START/POSITION`: the session, the position where the
-reply began and the position of the token the event carries (`SESSION/START/end` for the last
-one). A client that lost its stream resends the same request with `Last-Event-ID: <the last id it
+reply began and the position of the token the event carries (START-1 for what comes before the
+first token, `SESSION/START/end` for the last chunk, the usage and `[DONE]`). A client that lost its stream resends the same request with `Last-Event-ID: <the last id it
 received>` and gets the rest of the reply, from the same session (`parse_last_event_id`).
 `first_events` reads a job up to its first token, so that an error before any output is an HTTP
 error with its status, not an event inside a 200 stream.
@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
+
+from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from .failures import ApiError
 
@@ -76,3 +78,18 @@ def trace_line(event: dict[str, Any]) -> dict[str, Any]:
 
 def data(payload: dict[str, Any]) -> str:
     return json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+
+
+class KeepAlive(ServerSentEvent):
+    """What an idle stream sends every `--keep-alive` seconds, so that proxies keep it open: a
+    comment line without the blank line that would end an event. (A blank line after an event
+    with an id is an empty event to clients that keep the last id, as SSE says they must: the
+    openai client then fails to parse it.)"""
+
+    def encode(self) -> bytes:
+        return b": keep-alive\r\n"
+
+
+def event_stream(events, keep_alive: float) -> EventSourceResponse:
+    """The response for a generator of ServerSentEvent."""
+    return EventSourceResponse(events, ping=keep_alive, ping_message_factory=KeepAlive)

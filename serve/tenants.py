@@ -12,14 +12,17 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from kvstore import errors
 
+from . import observer
 from .failures import ApiError
 
 NAME_LIMIT = 128  # the store's limit on a session's name
+NAME = re.compile(r"[^\W_][\w.:@+-]*")  # the store's rule (letters, digits, . _ : @ + -), checked here first
 
 
 @dataclass(frozen=True)
@@ -29,8 +32,10 @@ class Tenant:
 
     def stored(self, name: str) -> str:
         """The store's name of this tenant's session `name` (InvalidName for a bad one)."""
-        if not isinstance(name, str) or not name or "/" in name:
-            raise errors.InvalidName(f"invalid session name {name!r}")
+        if not isinstance(name, str) or not NAME.fullmatch(name):
+            shown = repr(name) if len(repr(name)) < 60 else repr(name)[:57] + "..."
+            raise errors.InvalidName(f"invalid session name {shown}: use letters, digits and . _ : @ + -, "
+                                     "starting with a letter or digit")
         full = self.prefix + name
         if len(full) > NAME_LIMIT:
             raise errors.InvalidName(f"session name too long: at most {NAME_LIMIT - len(self.prefix)} characters")
@@ -78,6 +83,13 @@ class Keys:
 
     def tenant(self, authorization: str | None) -> Tenant:
         """The tenant of an `Authorization` header; 401 in OpenAI's shape when it is missing or wrong."""
+        tenant = self._check(authorization)
+        note = observer.note()
+        if note is not None:
+            note.tenant = tenant.id
+        return tenant
+
+    def _check(self, authorization: str | None) -> Tenant:
         if not self.tenants:
             return OWNER
         scheme, _, key = (authorization or "").partition(" ")

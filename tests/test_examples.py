@@ -64,3 +64,16 @@ def test_tiny_model_on_the_trained_model(trained, tmp_path):
     assert re.search(r"raw: .* \[stopped by: (stop|eos|length)\]", out)
     assert out.count("assistant: ") == 2 and re.search(r"tokens, ended by (its end of turn|the length limit)", out)
     assert "identical to the uninterrupted reply" in out
+
+
+def test_serve_client_against_a_live_server(model_dir, tmp_path):
+    from serve_kit import LiveServer
+
+    with LiveServer(tmp_path / "home", model_dir, "--chunk-size", "16", "--threads", "1",
+                    env={"KVSTORE_API_KEYS": "example-key-123"}) as server:
+        out = run([sys.executable, str(EXAMPLES / "serve_client.py"), "--max-tokens", "8", "--session", "demo"],
+                  tmp_path, KVSTORE_URL=server.url, KVSTORE_API_KEY="example-key-123")
+    assert "session demo, turn 1 (tiny):" in out and "turn 2 (streamed):" in out
+    assert re.search(r"prompt \d+ tokens, 0 of them reused; \d+ generated", out)
+    assert re.search(r"prompt \d+ tokens, [1-9]\d* of them reused from the stored session", out)
+    assert re.search(r"stored: \d+ tokens, 4 messages", out) and "turn 2 reused turn 1's KV" in out

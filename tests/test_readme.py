@@ -9,6 +9,10 @@ the README cannot drift from the code unnoticed.
   once), a temporary home and a temporary working directory:
   - Library: the Python block as written, after the command in its comment has made its text file;
     the only change is a smaller `max_new_tokens` (asserted to be the one change).
+  - Service: against a live `kvstore serve` (tests/serve_kit.py) on a free port, serving the tiny
+    random model under the default model's name: the shell block's lines in order, its `kvstore
+    serve` line started by the test (its options as written) and the address changed to the
+    test server's; the Python block as written, with that address.
   - Using the command, Quick start: the `kvstore` command lines in order, through click's CliRunner;
     generation commands that set no `-n` get `-n 8` appended; the input files the commands read
     are written first; `source .venv/bin/activate` is environment (`ENVIRONMENT`). After each
@@ -25,6 +29,7 @@ import ast
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import traceback
@@ -110,6 +115,8 @@ RUN = {
     "commands": Kind("Using the command", "bash", "kvstore new notes", "test_using_the_command"),
     "quickstart": Kind("Quick start", "bash", "kvstore new quickstart", "test_quick_start_commands"),
     "training": Kind("Training the tiny model", "bash", "python -m kvstore.train", "test_training_the_tiny_model"),
+    "service-curl": Kind("Service", "bash", "kvstore serve", "test_service_with_curl"),
+    "service-openai": Kind("Service", "python", "import openai", "test_service_with_openai"),
 }
 NOT_RUN = (
     Kind("Quick start", "bash", "bash scripts/quickstart.sh",
@@ -489,3 +496,73 @@ def test_training_the_tiny_model(workdir):
                           env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert "identical to the uninterrupted reply" in done.stdout
+
+
+# -- the service -------------------------------------------------------------------------------------
+README_URL = "http://127.0.0.1:8000"
+
+
+@pytest.fixture(scope="module")
+def service_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("service")
+
+
+@pytest.fixture(scope="module")
+def service(service_dir, tiny):
+    """The Service section's shell block up to its `kvstore serve` line, run; then that server, live:
+    the tiny model named as the default one, the block's options as written."""
+    from serve_kit import LiveServer
+
+    lines = [line for line in the_block("service-curl").text.splitlines() if line.strip()]
+    (at,) = [i for i, line in enumerate(lines) if line.startswith("kvstore serve")]
+    before = "\n".join(lines[:at])
+    subprocess.run(["bash", "-euc", before], cwd=service_dir, check=True, timeout=30)
+    args = shlex.split(lines[at], comments=True)[2:]
+    assert "--port" not in args and README_URL.endswith(":8000")  # the default port: the test uses a free one
+    options = [str(service_dir / a) if (service_dir / a).exists() else a for a in args]
+    with LiveServer(service_dir / "home", tiny("llama-gqa").folder, *options, "--chunk-size", "16", "--threads", "1",
+                    name=kvstore.DEFAULT_MODEL) as live:
+        yield live, "\n".join(lines[at + 1:]).replace(README_URL, live.url)
+
+
+def json_values(text: str) -> list:
+    """The JSON values printed one after another (curl -s prints no newline)."""
+    import json
+
+    decoder, out, i = json.JSONDecoder(), [], 0
+    while i < len(text):
+        if text[i].isspace():
+            i += 1
+            continue
+        value, i = decoder.raw_decode(text, i)
+        out.append(value)
+    return out
+
+
+def test_service_with_curl(service, service_dir):
+    if shutil.which("curl") is None:
+        pytest.skip("curl is not installed")
+    live, after = service
+    done = subprocess.run(["bash", "-euc", after], cwd=service_dir, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    health, reply, session = json_values(done.stdout)
+    assert health["status"] == "ok"
+    assert reply["object"] == "chat.completion" and reply["model"] == kvstore.DEFAULT_MODEL
+    assert reply["choices"][0]["message"]["content"] and reply["kvstore"]["session"] == "notes"
+    assert 0 < reply["usage"]["completion_tokens"] <= 64
+    assert session["name"] == "notes" and session["n_tokens"] == reply["usage"]["total_tokens"]
+
+
+def test_service_with_openai(service, capsys):
+    live, _ = service
+    block = the_block("service-openai")
+    assert block.text.count(README_URL) == 1
+    exec(compile(block.text.replace(README_URL, live.url), f"README.md:{block.line + 1}", "exec"), {})
+    out = capsys.readouterr().out
+    cached = int(re.search(r"\n(\d+) prompt tokens came from the store", out)[1])
+    key = re.search(r'api_key="([^"]+)"', block.text)[1]
+    with live.http(key) as http:
+        stored = http.get("/v1/sessions/cats/messages").json()["data"]
+    assert [m["role"] for m in stored] == ["user", "assistant", "user", "assistant"]
+    assert stored[2]["content"] == "Shorter ones, please." and stored[3]["content"] in out
+    assert cached >= stored[1]["token_end"] - 1  # the second turn's prompt came from the stored first turn

@@ -14,13 +14,13 @@ from typing import Any, AsyncIterator
 
 from fastapi import APIRouter, Depends, Header, Request
 from fastapi.responses import JSONResponse
-from sse_starlette import EventSourceResponse, ServerSentEvent
+from sse_starlette import ServerSentEvent
 
 from ..deps import service, tenant
 from ..failures import ApiError
 from ..protocol import ChatRequest
 from ..service import Run
-from ..streams import END, chained, data, event_id, first_events, parse_last_event_id, trace_line, usage
+from ..streams import event_stream, chained, data, event_id, first_events, parse_last_event_id, trace_line, usage
 from ..tenants import Tenant
 
 router = APIRouter()
@@ -56,11 +56,11 @@ async def chat_completions(body: ChatRequest, request: Request, who: Tenant = De
     run = Run(spec, who, public, id=request_id, route="chat.completions")
     events = svc.run(run)
     first = await first_events(events)
-    reply = Reply(run, svc.model_id, body.kvstore_trace)
+    reply = ChatReply(run, svc.model_id, body.kvstore_trace, first)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return EventSourceResponse(reply.stream(chained(first, events), include_usage, svc if own else None,
-                                                resumed=resume is not None), ping=15)
+        return event_stream(reply.stream(chained(first, events), include_usage, svc if own else None,
+                                                resumed=resume is not None), svc.config.keep_alive)
     async for event in chained(first, events):
         reply.take(event)
     if own:
@@ -69,15 +69,21 @@ async def chat_completions(body: ChatRequest, request: Request, who: Tenant = De
 
 
 class Reply:
-    """The pieces of one chat completion as they come, and its two shapes (whole, chunks)."""
+    """The pieces of one reply as they come, and its two shapes: whole, or as server-sent chunks.
+    Subclasses give the shapes of their API (`ChatReply` here, `completions.CompletionReply`)."""
 
-    def __init__(self, run: Run, model: str, trace: bool):
+    prefix = "chatcmpl"
+    object = "chat.completion.chunk"
+
+    def __init__(self, run: Run, model: str, trace: bool, first: list[dict[str, Any]] = ()):
         self.run, self.model, self.trace = run, model, trace
-        self.id = f"chatcmpl-{run.id}"
+        self.id = f"{self.prefix}-{run.id}"
         self.created = int(time.time())
         self.text: list[str] = []
         self.lines: list[dict[str, Any]] = []
-        self.start: int | None = run.spec.get("reply_start")
+        self.start: int | None = run.spec.get("reply_start")  # else the first token's position, when known
+        if self.start is None:
+            self.start = next((e["position"] for e in first if e["event"] == "token"), None)
         self.end: dict[str, Any] | None = None
 
     def take(self, event: dict[str, Any]) -> str:
@@ -87,13 +93,12 @@ class Reply:
             if self.start is None:
                 self.start = event["position"]
             self.lines.append(trace_line(event))
-            self.text.append(event["text"])
-            return event["text"]
-        if kind == "end":
+        elif kind == "end":
             self.end = event
-            self.text.append(event["text"])
-            return event["text"]
-        return ""
+        else:
+            return ""
+        self.text.append(event["text"])
+        return event["text"]
 
     def extras(self) -> dict[str, Any]:
         out: dict[str, Any] = {"session": self.run.public, "context": self.run.context}
@@ -101,37 +106,54 @@ class Reply:
             out["trace"] = self.lines
         return out
 
-    def whole(self) -> dict[str, Any]:
-        end = self.end
-        return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(self.text)},
-                             "finish_reason": end["finish_reason"], "logprobs": None}],
-                "usage": usage(end), "kvstore": self.extras()}
+    def head(self, **fields) -> dict[str, Any]:
+        return {"id": self.id, "object": self.object, "created": self.created, "model": self.model, **fields}
 
-    def chunk(self, delta: dict[str, Any], finish: str | None = None, **extra) -> dict[str, Any]:
-        return {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
-                "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}], **extra}
+    def opening(self) -> list[dict[str, Any]]:
+        return []
+
+    def piece(self, text: str, finish: str | None = None, **extra) -> dict[str, Any]:
+        raise NotImplementedError
 
     async def stream(self, events: AsyncIterator[dict[str, Any]], include_usage: bool, drop, *,
-                     resumed: bool) -> AsyncIterator[ServerSentEvent]:
+                     resumed: bool = False) -> AsyncIterator[ServerSentEvent]:
+        """The reply as server-sent events; an error once the stream has begun is an
+        `{"error": ...}` event, as OpenAI sends it, and ends the stream."""
         public = self.run.public
-        if not resumed:
-            yield ServerSentEvent(data(self.chunk({"role": "assistant", "content": ""})))
-        async for event in events:
-            text = self.take(event)
-            if event["event"] == "token" and (text or self.trace):
-                extra = {"kvstore": {"trace": [trace_line(event)]}} if self.trace else {}
-                yield ServerSentEvent(data(self.chunk({"content": text}, **extra)),
-                                      id=event_id(public, self.start, event["position"]))
-        if self.run.spec.get("after") == END and resumed and self.end is None:
+        for chunk in [] if resumed else self.opening():  # its id: the reply's start, nothing received yet
+            yield ServerSentEvent(data(chunk), id=event_id(public, self.start, (self.start or 0) - 1))
+        try:
+            async for event in events:
+                text = self.take(event)
+                if event["event"] == "token" and (text or self.trace):
+                    extra = {"kvstore": {"trace": [trace_line(event)]}} if self.trace else {}
+                    yield ServerSentEvent(data(self.piece(text, **extra)),
+                                          id=event_id(public, self.start, event["position"]))
+        except ApiError as e:
+            yield ServerSentEvent(data(e.body()))
             return
         end = self.end
-        yield ServerSentEvent(data(self.chunk({"content": end["text"]} if end["text"] else {}, end["finish_reason"],
-                                              kvstore=self.extras() if not self.trace else {"session": public})),
+        yield ServerSentEvent(data(self.piece(end["text"], end["finish_reason"], kvstore={"session": public})),
                               id=event_id(public, self.start, "end"))
+        done = event_id(public, self.start, "end")
         if include_usage:
-            yield ServerSentEvent(data({"id": self.id, "object": "chat.completion.chunk", "created": self.created,
-                                        "model": self.model, "choices": [], "usage": usage(end)}))
-        yield ServerSentEvent("[DONE]")
+            yield ServerSentEvent(data(self.head(choices=[], usage=usage(end))), id=done)
+        yield ServerSentEvent("[DONE]", id=done)
         if drop is not None:
             await drop.drop_session(self.run.spec["session"])
+
+
+class ChatReply(Reply):
+    def whole(self) -> dict[str, Any]:
+        end = self.end
+        return self.head(object="chat.completion", choices=[
+            {"index": 0, "message": {"role": "assistant", "content": "".join(self.text)},
+             "finish_reason": end["finish_reason"], "logprobs": None}], usage=usage(end), kvstore=self.extras())
+
+    def opening(self) -> list[dict[str, Any]]:
+        return [self.head(choices=[{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
+                                    "logprobs": None}])]
+
+    def piece(self, text: str, finish: str | None = None, **extra) -> dict[str, Any]:
+        delta = {"content": text} if text or finish is None else {}
+        return self.head(choices=[{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}], **extra)

@@ -3,20 +3,18 @@ of its own (`cmpl-...`, deleted once delivered), streamed with the same resumabl
 
 from __future__ import annotations
 
-import time
 import uuid
-from typing import Any, AsyncIterator
+from typing import Any
 
 from fastapi import APIRouter, Depends, Header, Request
 from fastapi.responses import JSONResponse
-from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from ..deps import service, tenant
 from ..protocol import CompletionRequest
 from ..service import Run
-from ..streams import chained, data, event_id, first_events, parse_last_event_id, trace_line, usage
+from ..streams import event_stream, chained, first_events, parse_last_event_id, usage
 from ..tenants import Tenant
-from .chat import session_of
+from .chat import Reply, session_of
 
 router = APIRouter()
 
@@ -38,10 +36,10 @@ async def completions(body: CompletionRequest, request: Request, who: Tenant = D
     run = Run(spec, who, public, id=request_id, route="completions")
     events = svc.run(run)
     first = await first_events(events)
-    out = Completion(run, svc.model_id, body.kvstore_trace)
+    out = CompletionReply(run, svc.model_id, body.kvstore_trace, first)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return EventSourceResponse(out.stream(chained(first, events), include_usage, svc if own else None), ping=15)
+        return event_stream(out.stream(chained(first, events), include_usage, svc if own else None), svc.config.keep_alive)
     async for event in chained(first, events):
         out.take(event)
     if own:
@@ -49,50 +47,12 @@ async def completions(body: CompletionRequest, request: Request, who: Tenant = D
     return JSONResponse(out.whole())
 
 
-class Completion:
-    def __init__(self, run: Run, model: str, trace: bool):
-        self.run, self.model, self.trace = run, model, trace
-        self.id = f"cmpl-{run.id}"
-        self.created = int(time.time())
-        self.text: list[str] = []
-        self.lines: list[dict[str, Any]] = []
-        self.start: int | None = run.spec.get("reply_start")
-        self.end: dict[str, Any] | None = None
+class CompletionReply(Reply):
+    prefix = "cmpl"
+    object = "text_completion"
 
-    def take(self, event: dict[str, Any]) -> str:
-        if event["event"] == "token":
-            self.start = event["position"] if self.start is None else self.start
-            self.lines.append(trace_line(event))
-        elif event["event"] == "end":
-            self.end = event
-        else:
-            return ""
-        self.text.append(event["text"])
-        return event["text"]
-
-    def extras(self) -> dict[str, Any]:
-        return {"session": self.run.public, "context": self.run.context, **({"trace": self.lines} if self.trace else {})}
-
-    def body(self, text: str, finish: str | None, **extra) -> dict[str, Any]:
-        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}], **extra}
+    def piece(self, text: str, finish: str | None = None, **extra) -> dict[str, Any]:
+        return self.head(choices=[{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}], **extra)
 
     def whole(self) -> dict[str, Any]:
-        return self.body("".join(self.text), self.end["finish_reason"], usage=usage(self.end), kvstore=self.extras())
-
-    async def stream(self, events: AsyncIterator[dict[str, Any]], include_usage: bool, drop) -> AsyncIterator:
-        public = self.run.public
-        async for event in events:
-            text = self.take(event)
-            if event["event"] == "token" and (text or self.trace):
-                extra = {"kvstore": {"trace": [trace_line(event)]}} if self.trace else {}
-                yield ServerSentEvent(data(self.body(text, None, **extra)), id=event_id(public, self.start,
-                                                                                      event["position"]))
-        end = self.end
-        yield ServerSentEvent(data(self.body(end["text"], end["finish_reason"], kvstore={"session": public})),
-                              id=event_id(public, self.start, "end"))
-        if include_usage:
-            yield ServerSentEvent(data({**self.body("", None), "choices": [], "usage": usage(end)}))
-        yield ServerSentEvent("[DONE]")
-        if drop is not None:
-            await drop.drop_session(self.run.spec["session"])
+        return self.piece("".join(self.text), self.end["finish_reason"], usage=usage(self.end), kvstore=self.extras())

@@ -64,7 +64,7 @@ async def create_session(body: SessionCreate, request: Request, who: Tenant = De
     settings = {"seed": body.seed, "temperature": body.temperature, "top_p": body.top_p, "system": body.system}
     if svc.config.chunk_size:
         settings["chunk_size"] = svc.config.chunk_size
-    await svc.manage({"kind": "create", "session": who.stored(body.name), "settings": settings})
+    await svc.manage({"kind": "create", "session": who.stored(body.name), "settings": settings}, who)
     return JSONResponse(described(store(request).info(who.stored(body.name)), who), status_code=201)
 
 
@@ -85,14 +85,14 @@ def session_messages(name: str, request: Request, who: Tenant = Depends(tenant))
 async def fork_session(name: str, body: ForkRequest, request: Request, who: Tenant = Depends(tenant)):
     info_of(request, who, name)
     await service(request).manage({"kind": "fork", "session": who.stored(name), "new_name": who.stored(body.name),
-                                   "at": body.at})
+                                   "at": body.at}, who)
     return JSONResponse(described(store(request).info(who.stored(body.name)), who), status_code=201)
 
 
 @router.delete("/{name}")
 async def delete_session(name: str, request: Request, who: Tenant = Depends(tenant)):
     info_of(request, who, name)
-    await service(request).manage({"kind": "delete", "session": who.stored(name)})
+    await service(request).manage({"kind": "delete", "session": who.stored(name)}, who)
     return {"id": name, "object": "session.deleted", "deleted": True}
 
 
@@ -131,7 +131,7 @@ async def import_session(request: Request, who: Tenant = Depends(tenant), name: 
                            code="empty_body")
         stored = who.stored(name) if name else None
         end = await svc.manage({"kind": "import", "session": stored or f"import-{os.path.basename(path)}",
-                                "path": path, "new_name": stored})
+                                "path": path, "new_name": stored}, who)
     finally:
         if os.path.exists(path):
             os.unlink(path)

@@ -1,0 +1,94 @@
+"""The engine's side of the Responses and Conversations APIs: jobs on the sessions behind them.
+
+A conversation is a session; its items are the session's messages, appended only. A response id
+names a session that holds the context up to the end of that response and is never written again:
+
+- `conversation`: the input is chatted on the conversation's session (the job's `session`), and at
+  the end the conversation is forked, at rest, into the response's session (`response`): its KV
+  shared on disk, not copied. Only the committed rows of the conversation are read, so the fork
+  needs no writer lock and C7 holds whichever engine the response is pinned to;
+- `previous_response_id`: the response's session is a fork of the earlier one's (`base`), made at
+  rest by the engine the new session is pinned to, which then opens it and chats the input on it.
+  Continuing from an older response is forking an older session: nothing else changes;
+- neither: a new session (`create` gives its settings).
+
+Kinds (added to `jobs.KINDS` by `engine.py`): `response` (a generation: `jobs.reply`'s events), `conversation`
+(create one, with its first items) and `items` (append items to one). A resumed `response`
+(`after`, from Last-Event-ID or an engine restart) is `jobs.resume` on the written session,
+followed by the snapshot if it was not made yet.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+from kvstore import errors
+
+from .jobs import reply, resume
+from .replies import Tokens
+
+
+def response(engine, job: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    events = resume(engine, job) if job.get("after") is not None else _fresh(engine, job)
+    for event in events:
+        if event["event"] == "end":
+            _snapshot(engine, job)
+        if event["event"] in ("start", "end") and "message" not in event:
+            event = {**event, "message": _reply_ordinal(engine.sessions.get(job["session"]))}
+        yield event
+
+
+def _reply_ordinal(session) -> int | None:
+    """The ordinal of the message the reply is (or was last) written to: the output item's id."""
+    if session is None:
+        return None
+    if session.active_call and "message" in session.active_call:
+        return session.active_call["message"]
+    return next((m["ordinal"] for m in reversed(session.messages) if m["role"] == "assistant"), None)
+
+
+def _fresh(engine, job: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    name = job["session"]
+    if job.get("base"):
+        try:
+            engine.store.fork(job["base"], name)
+        except errors.SessionExists:
+            pass  # an engine that died before the reply began had forked it; nothing was written since
+    session, how, restore = engine.writer(name, create=job.get("create"))
+    cached = session.n_cached
+    messages = job["messages"]
+    yield {"event": "start", "context": how if session.tokens else "computed", "message":
+           len(session.messages) + len(messages), **restore}
+    for m in messages[:-1]:
+        session.add_message(m["role"], m["content"])
+    tokens = Tokens()
+    pieces = session.chat(messages[-1]["content"], max_new_tokens=job["max_tokens"], trace=tokens,
+                          **(job.get("sampling") or {}))
+    yield from reply(engine, session, pieces, tokens, job, cached)
+
+
+def _snapshot(engine, job: dict[str, Any]) -> None:
+    """The response's own session, when the reply was written on the conversation's."""
+    if job.get("response") and job["response"] != job["session"]:
+        try:
+            engine.store.fork(job["session"], job["response"])  # the reply's end is committed (checkpoint "end")
+        except errors.SessionExists:
+            pass  # made before an engine restart or a resumed stream
+
+
+def conversation(engine, job: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """A new conversation (a new session) holding `items`, or `items` appended to one."""
+    name = job["session"]
+    if job["kind"] == "conversation":
+        engine.store.check_new_name(name)
+        session, _, _ = engine.writer(name, create=job["create"])
+    else:
+        session, _, _ = engine.writer(name)
+    first = len(session.messages)
+    for m in job.get("items") or ():
+        session.add_message(m["role"], m["content"])  # pending: fed with the next response's input
+    session.checkpoint("items")
+    yield {"event": "end", "session": name, "first": first, "count": len(session.messages) - first}
+
+
+KINDS = {"response": response, "conversation": conversation, "items": conversation}

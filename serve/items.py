@@ -1,0 +1,139 @@
+"""The objects of the Responses and Conversations APIs as OpenAI shapes them, read from the store.
+
+Everything here is derived from a session's rows at rest (its messages, tokens, parent, settings), so
+what GET returns survives restarts with no state of its own:
+
+- a conversation `conv_<hex>` is the session of that name; its items are the session's messages,
+  item `msg_<hex>_<ordinal>` (a conversation only grows, so an ordinal names one message for good);
+- a response `resp_<hex>` is the session that holds the context up to the end of the response: its
+  last message is the output; the messages after the assistant message before it are its input; its
+  parent is the conversation it was taken from (`conversation`) or the response it continued
+  (`previous_response_id`); the reply's last token says how it ended (end of sequence: completed;
+  else the token limit: incomplete). The items of a response taken from a conversation keep the
+  conversation's item ids.
+
+Not kept, so not returned: `metadata` (accepted, always `{}`), a request's `max_output_tokens`
+(null on GET). `instructions` on GET are the system messages among the response's input.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+from kvstore import errors
+
+from .failures import not_found
+from .tenants import Tenant
+
+CONVERSATION, RESPONSE = "conv_", "resp_"
+
+
+def epoch(stamp: str) -> int:
+    """The index's naive UTC ISO time as seconds since the epoch."""
+    return int(dt.datetime.fromisoformat(stamp).replace(tzinfo=dt.timezone.utc).timestamp())
+
+
+def hex_of(public: str) -> str:
+    return public.split("_", 1)[1]
+
+
+def info_of(store, who: Tenant, public: str, prefix: str):
+    """The SessionInfo behind a conversation or response id of this tenant; 404 for any other."""
+    what = "conversation" if prefix == CONVERSATION else "response"
+    if not isinstance(public, str) or not public.startswith(prefix):
+        raise not_found(what, public)
+    try:
+        return store.info(who.stored(public))
+    except (errors.SessionNotFound, errors.InvalidName):
+        raise not_found(what, public) from None
+
+
+def conversation_object(public: str, info) -> dict[str, Any]:
+    return {"id": public, "object": "conversation", "created_at": epoch(info.created_at), "metadata": {}}
+
+
+def message_item(item_id: str, role: str, text: str, status: str = "completed") -> dict[str, Any]:
+    if role == "assistant":
+        part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+    else:
+        part = {"type": "input_text", "text": text}
+    return {"type": "message", "id": item_id, "role": role, "status": status, "content": [part]}
+
+
+def item_id(scope: str, ordinal: int) -> str:
+    return f"msg_{scope}_{ordinal}"
+
+
+def ordinal_of(scope: str, item: str) -> int | None:
+    head, _, number = item.rpartition("_")
+    return int(number) if head == f"msg_{scope}" and number.isdigit() else None
+
+
+def conversation_items(store, stored: str, scope: str) -> list[dict[str, Any]]:
+    return [message_item(item_id(scope, m.ordinal), m.role, m.text) for m in store.messages(stored)]
+
+
+def usage(input_tokens: int, output_tokens: int, cached: int) -> dict[str, Any]:
+    return {"input_tokens": input_tokens, "input_tokens_details": {"cached_tokens": cached},
+            "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": input_tokens + output_tokens}
+
+
+def response_object(public: str, *, created_at: int, model: str, status: str, output: list[dict[str, Any]],
+                    usage_: dict[str, Any] | None, previous: str | None, conversation: str | None,
+                    instructions: str | None, sampler: dict[str, Any], max_output_tokens: int | None = None,
+                    stored: bool = True) -> dict[str, Any]:
+    return {"id": public, "object": "response", "created_at": created_at, "status": status, "model": model,
+            "output": output, "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "instructions": instructions, "max_output_tokens": max_output_tokens, "metadata": {},
+            "previous_response_id": previous, "conversation": {"id": conversation} if conversation else None,
+            "parallel_tool_calls": False, "tool_choice": "none", "tools": [], "text": {"format": {"type": "text"}},
+            "temperature": sampler.get("temperature"), "top_p": sampler.get("top_p"), "store": stored,
+            "truncation": "disabled", "background": False, "usage": usage_}
+
+
+class StoredResponse:
+    """A response read back from its session at rest (GET /v1/responses/{id} and its input items)."""
+
+    def __init__(self, store, who: Tenant, public: str):
+        self.public = public
+        self.info = info_of(store, who, public, RESPONSE)
+        rows = store.messages(who.stored(public))
+        self.messages = [{"ordinal": m.ordinal, "role": m.role, "text": m.text, "start": m.token_start,
+                          "end": m.token_end} for m in rows]
+        self.last_token = store.tokens(who.stored(public))[-1:] if self.info.n_tokens else []
+        parent = who.public(self.info.parent) if self.info.parent else None
+        self.previous = parent if parent and parent.startswith(RESPONSE) else None
+        self.conversation = parent if parent and parent.startswith(CONVERSATION) else None
+        self.scope = hex_of(self.conversation or public)
+
+    def _split(self) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+        """(this response's input messages, its output message)."""
+        ms = self.messages
+        if not ms or ms[-1]["role"] != "assistant":
+            return ms, None
+        earlier = [i for i, m in enumerate(ms[:-1]) if m["role"] == "assistant"]
+        return ms[earlier[-1] + 1 if earlier else 0:-1], ms[-1]
+
+    def status(self, eos_ids) -> str:
+        if self.info.active_call:
+            return "in_progress"
+        return "completed" if self.last_token and self.last_token[0] in set(eos_ids) else "incomplete"
+
+    def input_items(self) -> list[dict[str, Any]]:
+        return [message_item(item_id(self.scope, m["ordinal"]), m["role"], m["text"]) for m in self._split()[0]]
+
+    def body(self, model: str, eos_ids) -> dict[str, Any]:
+        inputs, out = self._split()
+        status = self.status(eos_ids)
+        output = [message_item(item_id(self.scope, out["ordinal"]), "assistant", out["text"], status)] if out else []
+        use = None
+        if out:
+            cached = max(0, inputs[0]["start"] - 1) if inputs else 0  # the last token before was pending
+            use = usage(out["start"], self.info.n_tokens - out["start"], cached)
+        system = [m["text"] for m in inputs if m["role"] == "system"]
+        return response_object(self.public, created_at=epoch(self.info.created_at), model=model, status=status,
+                               output=output, usage_=use, previous=self.previous, conversation=self.conversation,
+                               instructions="\n".join(system) or None, sampler=self.info.sampler)

@@ -1,0 +1,283 @@
+"""`kvstore serve` as an OpenAI-compatible chat server whose conversations are stored sessions.
+
+A live server (the real executable, a random loopback port, the tiny Llama, 16-token chunks, one
+thread) and the official `openai` client. The proofs are exact: a conversation held over HTTP
+gives the same tokens and logits bits (trace lines: position, token, sha256 of the logits row) as
+the same conversation through the library; an edited history is answered exactly as a cold run of
+the same request; streams broken by `kill -9` of the server or of its engine are finished, and the
+client's whole reply equals an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+import kvstore
+from conftest import single_thread
+from serve_kit import MODEL_NAME, LiveServer
+
+CHUNK = 16
+SAMPLING = {"temperature": 0.9, "top_p": 0.95, "seed": 7}
+TURNS = ["hello there", "tell me more", "and then?"]
+
+
+@pytest.fixture(scope="module")
+def model_folder(tiny) -> str:
+    return str(tiny("llama-gqa").folder)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, model_folder):
+    home = tmp_path_factory.mktemp("serve") / "home"
+    with LiveServer(home, model_folder, "--chunk-size", str(CHUNK), "--threads", "1",
+                    "--checkpoint-every", "4") as s:
+        yield s
+
+
+def chat(client, session: str | None, messages: list[dict], max_tokens: int = 24, **kw):
+    extra = {"kvstore_trace": True, **({"session": session} if session else {})}
+    return client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=max_tokens,
+                                          extra_body=extra, **{**SAMPLING, **kw})
+
+
+def library_conversation(folder: str, home, turns: list[str], max_tokens: int = 24,
+                         chunk: int = CHUNK) -> list[list[dict]]:
+    """The same conversation through the library: trace lines per turn."""
+    model = kvstore.load_model(folder)
+    store = kvstore.open_store(home)
+    traces = []
+    with single_thread(), store.new("lib", model, seed=SAMPLING["seed"], chunk_size=chunk,
+                                    temperature=SAMPLING["temperature"], top_p=SAMPLING["top_p"]) as s:
+        for i, turn in enumerate(turns):
+            path = home / f"turn-{i}.jsonl"
+            "".join(s.chat(turn, max_tokens, trace=str(path)))
+            traces.append([json.loads(line) for line in path.read_text().splitlines()])
+    store.close()
+    return traces
+
+
+def test_models_lists_the_served_model(server):
+    models = server.client().models.list()
+    assert [m.id for m in models.data] == [MODEL_NAME]
+
+
+def test_a_conversation_over_http_is_the_librarys_bit_for_bit(server, model_folder, tmp_path):
+    client = server.client()
+    messages, http_traces, cached = [], [], []
+    for turn in TURNS:
+        messages.append({"role": "user", "content": turn})
+        reply = chat(client, "talk", messages)
+        messages.append({"role": "assistant", "content": reply.choices[0].message.content})
+        http_traces.append(reply.kvstore["trace"])
+        cached.append(reply.usage.prompt_tokens_details.cached_tokens)
+        assert reply.usage.completion_tokens == len(reply.kvstore["trace"])
+    assert library_conversation(model_folder, tmp_path / "lib", TURNS) == http_traces
+    assert cached[0] == 0 and cached[1] > 0 and cached[2] > cached[1]  # later turns feed only the new message
+
+
+def test_streaming_gives_the_same_reply_as_a_whole_response(server):
+    client = server.client()
+    messages = [{"role": "user", "content": "stream me"}]
+    whole = chat(client, "whole", messages, max_tokens=30)
+    chunks = list(client.chat.completions.create(
+        model=MODEL_NAME, messages=messages, max_tokens=30, stream=True, stream_options={"include_usage": True},
+        extra_body={"session": "streamed"}, **SAMPLING))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finish == [whole.choices[0].finish_reason]
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+
+
+def test_an_edited_history_is_answered_as_a_cold_run_reusing_the_common_chunks(server):
+    client = server.client()
+    first = [{"role": "system", "content": "You are a terse assistant who answers in one line."},
+             {"role": "user", "content": "hello there, how are you today?"}]
+    a1 = chat(client, "edit", first).choices[0].message.content
+    second = first + [{"role": "assistant", "content": a1}, {"role": "user", "content": "go on"}]
+    chat(client, "edit", second)
+    edited = first + [{"role": "assistant", "content": "I am fine."}, {"role": "user", "content": "go on"}]
+    branched = chat(client, "edit", edited)
+    cold = chat(client, "edit-cold", edited)  # a new session: the whole prompt computed
+    assert cold.usage.prompt_tokens_details.cached_tokens == 0
+    assert branched.kvstore["trace"] == cold.kvstore["trace"]
+    reused = branched.usage.prompt_tokens_details.cached_tokens
+    assert reused > 0 and reused % CHUNK == 0  # whole chunks of the first prompt, no more
+    names = {s["name"] for s in server.http().get("/v1/sessions").json()["data"]}
+    assert {"edit", "edit@1"} <= names  # the old branch is kept
+    kept = server.http().get("/v1/sessions/edit@1/messages").json()["data"]
+    assert [m["content"] for m in kept][-2] == "go on" and kept[2]["content"] == a1
+
+
+def test_a_request_without_a_session_leaves_nothing_behind(server):
+    before = {s["name"] for s in server.http().get("/v1/sessions").json()["data"]}
+    reply = chat(server.client(), None, [{"role": "user", "content": "just once"}])
+    assert reply.kvstore["session"].startswith("chatcmpl-")
+    assert reply.usage.prompt_tokens_details.cached_tokens == 0
+    after = {s["name"] for s in server.http().get("/v1/sessions").json()["data"]}
+    assert after == before
+
+
+def test_completions_continue_raw_text(server):
+    client = server.client()
+    a = client.completions.create(model=MODEL_NAME, prompt="Once upon a time", max_tokens=12, temperature=0,
+                                  extra_body={"session": "raw"})
+    assert a.choices[0].finish_reason in ("length", "stop") and a.usage.completion_tokens > 0
+    b = client.completions.create(model=MODEL_NAME, prompt=" and then", max_tokens=8, temperature=0,
+                                  extra_body={"session": "raw"})
+    assert b.usage.prompt_tokens_details.cached_tokens >= a.usage.prompt_tokens + a.usage.completion_tokens - 1
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=MODEL_NAME, prompt="Once upon a time", max_tokens=12, temperature=0, stream=True) if c.choices)
+    assert streamed == a.choices[0].text
+
+
+def sse_events(lines, on_event=None) -> list[tuple[str, dict]]:
+    """(id, data) of each SSE event in raw lines (data None for [DONE]); `on_event(events)` after
+    each one may return True to stop reading (the client goes away)."""
+    out, event_id = [], None
+    for line in lines:
+        if line.startswith("id: "):
+            event_id = line[4:]
+        elif line.startswith("data: "):
+            payload = line[6:]
+            out.append((event_id, None if payload == "[DONE]" else json.loads(payload)))
+            event_id = None
+            if on_event is not None and on_event(out):
+                break
+    return out
+
+
+def stream_events(server, body: dict, headers: dict, *, stop_after: int | None = None) -> list[tuple[str, dict]]:
+    """The events of a streamed request, read raw; `stop_after` n events with ids: then the client goes away."""
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, headers=headers, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        enough = (lambda out: sum(1 for i, _ in out if i) >= stop_after) if stop_after is not None else None
+        return sse_events(r.iter_lines(), enough)
+
+
+def text_of(events) -> str:
+    return "".join((d["choices"][0]["delta"].get("content") or "") for _, d in events if d and d["choices"])
+
+
+def long_request(session: str) -> dict:
+    return {"model": MODEL_NAME, "messages": [{"role": "user", "content": "a long one, please"}], "max_tokens": 200,
+            "stream": True, "session": session, "kvstore_trace": True, **SAMPLING}
+
+
+def tokens_of(events) -> list[int]:
+    return [t["token"] for _, d in events if d and d.get("kvstore") and "trace" in d["kvstore"]
+            for t in d["kvstore"]["trace"]]
+
+
+def test_last_event_id_after_kill_9_of_the_server_finishes_the_reply_exactly(tmp_path, model_folder):
+    with LiveServer(tmp_path / "home", model_folder, "--chunk-size", str(CHUNK), "--threads", "1",
+                    "--checkpoint-every", "4") as server:
+        whole = stream_events(server, long_request("uncut"), {})
+        got = stream_events(server, long_request("cut"), {}, stop_after=40)
+        last_id = [i for i, _ in got if i][-1]
+        server.kill()
+        server.start()
+        rest = stream_events(server, long_request("cut"), {"Last-Event-ID": last_id})
+        assert rest[-1][1] is None  # [DONE]
+        assert all(i for i, _ in got + rest), "every event has an id"
+        assert text_of(got) + text_of(rest) == text_of(whole)
+        assert tokens_of(got) + tokens_of(rest) == tokens_of(whole)
+        again = stream_events(server, long_request("cut"), {"Last-Event-ID": [i for i, _ in rest if i][-1]})
+        assert text_of(again) == "" and again[-1][1] is None  # it had everything: only the end
+
+
+def test_kill_9_of_the_engine_mid_stream_the_api_stays_up_and_the_reply_is_whole(tmp_path, model_folder):
+    with LiveServer(tmp_path / "home", model_folder, "--chunk-size", str(CHUNK), "--threads", "1",
+                    "--checkpoint-every", "4") as server:
+        whole = stream_events(server, long_request("uncut"), {})
+        killed = []
+
+        def kill_at_30(out):
+            if len(out) == 30 and not killed:
+                killed.append(server.kill_engine())
+
+        with httpx.stream("POST", server.url + "/v1/chat/completions", json=long_request("cut"), timeout=120) as r:
+            events = sse_events(r.iter_lines(), kill_at_30)
+        assert killed and events[-1][1] is None
+        old = killed[0]
+        assert text_of(events) == text_of(whole) and tokens_of(events) == tokens_of(whole)
+        assert server.engine_pids() != [old]
+        metrics = httpx.get(server.url + "/metrics").text
+        assert "kvstore:engine_restarts_total 1.0" in metrics
+
+
+def test_a_long_reply_does_not_hold_back_another_sessions_first_token(tmp_path, model_folder):
+    import threading
+
+    # a checkpoint after every token: the tiny model's long reply then takes long enough to overlap
+    with LiveServer(tmp_path / "home", model_folder, "--chunk-size", str(CHUNK), "--threads", "1",
+                    "--checkpoint-every", "1", "--keep-alive", "0.05") as server:
+        progress = {"events": 0, "done": False}
+
+        def long_one():
+            body = {**long_request("long"), "kvstore_trace": False, "temperature": 0}
+            with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=120) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        progress["events"] += 1
+            progress["done"] = True
+
+        t = threading.Thread(target=long_one)
+        t.start()
+        try:
+            while progress["events"] < 3:
+                assert t.is_alive(), "the long reply ended before it began"
+            short = chat(server.client(), "short", [{"role": "user", "content": "quick"}], max_tokens=3)
+            seen = progress["events"]
+            assert short.usage.completion_tokens == 3
+            assert not progress["done"], "the short reply waited for the long one to finish"
+        finally:
+            t.join(120)
+        assert progress["done"] and progress["events"] > seen + 20  # the long one went on after it
+
+        # keep-alive comments every 50 ms in a stream of ids: the openai client reads it whole
+        chunks = list(server.client().chat.completions.create(
+            model=MODEL_NAME, messages=[{"role": "user", "content": "a long one, please"}], max_tokens=200,
+            stream=True, extra_body={"session": "kept-alive"}, temperature=0))
+        assert b": keep-alive" in httpx.post(server.url + "/v1/chat/completions", json={
+            **long_request("raw-look"), "kvstore_trace": False, "stream": True}, timeout=120).content
+        assert chunks[-1].choices[0].finish_reason in ("length", "stop") and len(chunks) > 20
+
+
+def test_two_engines_each_session_pinned_to_one_and_one_engine_dying_spares_the_other(tmp_path, model_folder):
+    with LiveServer(tmp_path / "home", model_folder, "--workers", "2", "--threads", "1",
+                    "--chunk-size", str(CHUNK)) as server:
+        pids = server.engine_pids()
+        assert len(set(pids)) == 2
+        client = server.client()
+        names = [f"pinned-{i}" for i in range(6)]
+        first = {n: chat(client, n, [{"role": "user", "content": n}], max_tokens=6) for n in names}
+        server.kill_engine(0)
+        again = {n: chat(client, n, [{"role": "user", "content": n}, {"role": "assistant",
+                                                                       "content": first[n].choices[0].message.content},
+                                     {"role": "user", "content": "more"}], max_tokens=6) for n in names}
+        assert all(r.usage.prompt_tokens_details.cached_tokens > 0 for r in again.values())
+        contexts = {r.kvstore["context"] for r in again.values()}
+        assert contexts == {"restored", "reused"}  # the dead engine's sessions came back from disk
+        new_pids = server.engine_pids()
+        assert new_pids[1] == pids[1] and new_pids[0] != pids[0]
+
+
+def test_the_real_model_over_http_is_the_librarys_bit_for_bit(tmp_path, smollm2_path):
+    turns = ["Name a colour.", "And another one?"]
+    with LiveServer(tmp_path / "home", str(smollm2_path), "--threads", "1") as server:
+        client = server.client()
+        messages, http_traces = [], []
+        for turn in turns:
+            messages.append({"role": "user", "content": turn})
+            reply = chat(client, "real", messages, max_tokens=12)
+            messages.append({"role": "assistant", "content": reply.choices[0].message.content})
+            http_traces.append(reply.kvstore["trace"])
+    expected = library_conversation(str(smollm2_path), tmp_path / "lib", turns, max_tokens=12,
+                                    chunk=kvstore.DEFAULT_CHUNK)
+    assert expected == http_traces
+    assert all(len(t) > 0 for t in http_traces)

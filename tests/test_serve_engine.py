@@ -1,0 +1,75 @@
+"""The engine process's loop, in this process with a fake pipe: how it takes turns.
+
+Every running job is advanced one step per round: a token, or one prefill chunk of a prompt. So a
+session that reads a long prompt does not hold back another session's reply, and the order in
+which events leave the engine shows it exactly (no timing involved).
+"""
+
+from __future__ import annotations
+
+import kvstore
+from kvstore_serve.engine import Engine, Loop
+
+CHUNK = 16
+
+
+class FakePipe:
+    """The engine's end of the pipe: messages queued in, events collected out."""
+
+    def __init__(self, messages):
+        self.inbox, self.sent = list(messages), []
+
+    def poll(self, timeout=0):
+        return bool(self.inbox)
+
+    def recv(self):
+        return self.inbox.pop(0)
+
+    def send(self, msg):
+        self.sent.append(msg)
+
+
+def chat_job(job_id: str, session: str, text: str, max_tokens: int) -> dict:
+    return {"op": "run", "id": job_id, "kind": "chat", "session": session,
+            "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens, "stop": [],
+            "sampling": {"temperature": 0.0}, "create": {"seed": 1, "chunk_size": CHUNK}}
+
+
+def test_a_long_prompt_is_read_a_chunk_per_turn_while_another_session_replies(tmp_path, model):
+    store = kvstore.open_store(tmp_path / "home")
+    engine = Engine(store, model)
+    document = " ".join(f"word{i}" for i in range(25))  # about 10 chunks of 16 tokens
+    pipe = FakePipe([chat_job("long", "reader", document, 4), chat_job("short", "chatter", "hi", 3),
+                     {"op": "stop"}])
+    try:
+        Loop(pipe, engine).run()
+    finally:
+        engine.close()
+    order = [(m["id"], m["event"]) for m in pipe.sent]
+    assert order.count(("short", "token")) == 3 and order.count(("long", "token")) == 4
+    assert order.index(("short", "end")) < order.index(("long", "token")), order  # done while the long one read
+    ends = {m["id"]: m for m in pipe.sent if m["event"] == "end"}
+    assert ends["long"]["prompt_tokens"] > 8 * CHUNK
+    assert store.info("reader").checkpoints > 8  # a checkpoint per chunk, as in the library
+    store.close()
+
+
+def test_interleaving_changes_no_bit(tmp_path, model):
+    """The two sessions' replies, run together, equal each one run alone."""
+
+    def run(jobs):
+        store = kvstore.open_store(tmp_path / f"home-{len(jobs)}-{jobs[0]['id']}")
+        engine = Engine(store, model)
+        pipe = FakePipe([*jobs, {"op": "stop"}])
+        try:
+            Loop(pipe, engine).run()
+        finally:
+            engine.close()
+            store.close()
+        return {j["id"]: [(m["position"], m["token"], m["logits_sha256"]) for m in pipe.sent
+                          if m["id"] == j["id"] and m["event"] == "token"] for j in jobs}
+
+    a = chat_job("a", "one", " ".join(f"w{i}" for i in range(16)), 6)
+    b = chat_job("b", "two", "hello there", 6)
+    together = run([a, b])
+    assert together == {**run([a]), **run([b])}

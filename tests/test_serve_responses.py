@@ -1,0 +1,335 @@
+"""OpenAI's Responses and Conversations APIs on a live `kvstore serve`, through the official client.
+
+What they prove: a conversation is a stored session and its items are its messages; a response id
+is an immutable checkpoint (continuing from an older one is a fork, the newer ones untouched, the
+older KV reused, no bytes copied); a chain of responses yields the tokens and logits bits of the
+same conversation run through the library; GET derives the same object the POST returned; streams
+carry the Responses event types with sequence numbers, and a broken stream resent with
+Last-Event-ID gets exactly the rest; unknown ids, and another tenant's, are 404 in OpenAI's shape.
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+from conftest import single_thread
+from serve_kit import MODEL_NAME, LiveServer
+
+import kvstore
+
+ALICE, BOB = "alice-key-0001", "bob-key-00002"
+TOKENS = 10  # per response: the tiny model rarely ends a reply by itself, so most end at the limit
+
+
+@pytest.fixture(scope="module")
+def folder(tiny):
+    return tiny("llama-gqa").folder
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, folder):
+    home = tmp_path_factory.mktemp("serve-responses") / "home"
+    with LiveServer(home, folder, "--chunk-size", "16", "--threads", "1",
+                    env={"KVSTORE_API_KEYS": f"{ALICE},{BOB}"}) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return server.client(api_key=ALICE)
+
+
+@pytest.fixture(scope="module")
+def library(tmp_path_factory, folder):
+    """The same conversations run through the library: (store, model)."""
+    store = kvstore.open_store(tmp_path_factory.mktemp("library-home"))
+    with single_thread():
+        model = kvstore.load_model(str(folder))
+    yield store, model
+    store.close()
+
+
+def trace_of(response) -> list[dict]:
+    return response.model_extra["kvstore"]["trace"]
+
+
+def lib_turn(session, text: str, tmp_path, n: int = TOKENS) -> tuple[str, list[dict]]:
+    """A library turn: (its reply text, its trace lines), on one thread as the server's engine runs."""
+    path = tmp_path / f"trace-{session.name}-{len(session.tokens)}.jsonl"
+    with single_thread():
+        reply = "".join(session.chat(text, max_new_tokens=n, trace=path, temperature=1.0, top_p=1.0))
+    return reply, [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def ask(client, text: str, **kw):
+    return client.responses.create(model=MODEL_NAME, input=text, max_output_tokens=TOKENS,
+                                   extra_body={"kvstore_trace": True, **kw.pop("extra_body", {})}, **kw)
+
+
+def same_object(posted, got) -> None:
+    a, b = posted.model_dump(), got.model_dump()
+    for d in (a, b):
+        d.pop("kvstore", None)
+        d.pop("created_at")  # the POST says when it began, the session when its snapshot was made
+        d.pop("max_output_tokens")  # a request's limit: the store does not keep it
+    assert a == b
+
+
+# -- conversations ---------------------------------------------------------------------------------
+def test_a_conversation_chain_is_the_librarys_run(client, server, library, tmp_path):
+    store, model = library
+    conv = client.conversations.create(items=[{"type": "message", "role": "user", "content": "hello"}],
+                                       extra_body={"seed": 7})
+    assert conv.id.startswith("conv_") and conv.object == "conversation"
+    r1 = ask(client, "The fox", conversation=conv.id)
+    with client.responses.create(model=MODEL_NAME, input="and the dog?", conversation={"id": conv.id},
+                                 max_output_tokens=TOKENS, stream=True, extra_body={"kvstore_trace": True}) as stream:
+        events = list(stream)
+    r2 = events[-1].response
+    streamed = [line for e in events if e.type == "response.output_text.delta"
+                for line in (e.model_extra.get("kvstore") or {}).get("trace", [])]
+
+    with store.new("conversation", model, seed=7, chunk_size=16) as s:
+        s.add_message("user", "hello")
+        text1, lines1 = lib_turn(s, "The fox", tmp_path)
+        text2, lines2 = lib_turn(s, "and the dog?", tmp_path)
+    assert trace_of(r1) == lines1 and streamed == lines2  # tokens and logits bits, position by position
+    assert r1.output_text == text1 and r2.output_text == text2
+    assert r1.conversation.id == r2.conversation.id == conv.id and r2.previous_response_id is None
+
+    items = client.conversations.items.list(conv.id, order="asc")
+    assert [(i.role, i.content[0].text) for i in items.data] == [
+        ("user", "hello"), ("user", "The fox"), ("assistant", text1), ("user", "and the dog?"), ("assistant", text2)]
+    assert items.data[2].id == r1.output[0].id and items.data[4].id == r2.output[0].id
+    newest = client.conversations.items.list(conv.id, limit=2)  # OpenAI's default order: newest first
+    assert [i.id for i in newest.data] == [items.data[4].id, items.data[3].id] and newest.has_more
+    assert client.conversations.items.retrieve(items.data[1].id, conversation_id=conv.id).content[0].text == "The fox"
+
+    same_object(r1, client.responses.retrieve(r1.id))  # derived from the store: the conversation went on since
+    same_object(r2, client.responses.retrieve(r2.id))
+    assert [i.content[0].text for i in client.responses.input_items.list(r1.id, order="asc").data] == \
+        ["hello", "The fox"]
+    snapshot = server.http(ALICE).get(f"/v1/sessions/{r1.id}").json()
+    assert snapshot["parent"] == conv.id and snapshot["disk_bytes"] == 0  # a fork by reference: no bytes copied
+    assert snapshot["n_tokens"] == r1.usage.total_tokens
+
+
+def test_items_added_to_a_conversation_are_context(client, library, tmp_path):
+    store, model = library
+    conv = client.conversations.create(extra_body={"seed": 3})
+    added = client.conversations.items.create(conv.id, items=[
+        {"type": "message", "role": "system", "content": "Be brief."},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hi"}]}])
+    assert [i.role for i in added.data] == ["system", "user"]
+    r = ask(client, "Tell me.", conversation=conv.id, instructions="Answer in one word.")
+    with store.new("items", model, seed=3, chunk_size=16) as s:
+        s.add_message("system", "Be brief.")
+        s.add_message("user", "Hi")
+        s.add_message("system", "Answer in one word.")
+        _, lines = lib_turn(s, "Tell me.", tmp_path)
+    assert trace_of(r) == lines
+    assert r.instructions == "Answer in one word." and r.usage.input_tokens_details.cached_tokens == 0
+    with pytest.raises(openai.BadRequestError):  # the KV of every later item was computed after it
+        client.conversations.items.delete(added.data[0].id, conversation_id=conv.id)
+
+
+# -- responses -------------------------------------------------------------------------------------
+def test_previous_response_id_forks_by_reference(client, library, tmp_path):
+    store, model = library
+    r1 = ask(client, "The fox", extra_body={"seed": 11})
+    r2 = ask(client, "runs on", previous_response_id=r1.id)
+    r3 = ask(client, "sleeps", previous_response_id=r1.id)  # from the older one again: a fork, r2 untouched
+    r4 = ask(client, "then?", previous_response_id=r2.id)
+
+    with store.new("chain", model, seed=11, chunk_size=16) as s:
+        _, lines1 = lib_turn(s, "The fox", tmp_path)
+        with s.fork("chain-b") as b:
+            _, lines3 = lib_turn(b, "sleeps", tmp_path)
+        _, lines2 = lib_turn(s, "runs on", tmp_path)
+        _, lines4 = lib_turn(s, "then?", tmp_path)
+    assert [trace_of(r) for r in (r1, r2, r3, r4)] == [lines1, lines2, lines3, lines4]
+
+    assert r3.previous_response_id == r1.id and r4.previous_response_id == r2.id and r1.previous_response_id is None
+    assert r3.usage.input_tokens_details.cached_tokens == r1.usage.total_tokens - 1  # r1's KV reused (its last
+    # token was pending, fed with the new input)
+    for r in (r1, r2, r3, r4):
+        same_object(r, client.responses.retrieve(r.id))
+    assert [i.content[0].text for i in client.responses.input_items.list(r3.id).data] == ["sleeps"]
+
+
+def test_store_false_and_delete(client):
+    gone = ask(client, "The fox", store=False, extra_body={"seed": 1})
+    assert gone.status in ("completed", "incomplete") and gone.output_text == gone.output[0].content[0].text
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(gone.id)
+    r = ask(client, "The dog", extra_body={"seed": 1})
+    child = ask(client, "more", previous_response_id=r.id)
+    deleted = client.responses.delete(r.id)
+    assert deleted is None or getattr(deleted, "deleted", True)
+    for call in (lambda: client.responses.retrieve(r.id), lambda: ask(client, "again", previous_response_id=r.id)):
+        with pytest.raises(openai.NotFoundError):
+            call()
+    assert client.responses.retrieve(child.id).output_text == child.output_text  # its fork keeps the shared KV
+    conv = client.conversations.create()
+    assert client.conversations.delete(conv.id).deleted
+    with pytest.raises(openai.NotFoundError):
+        client.conversations.retrieve(conv.id)
+
+
+def test_unknown_and_other_tenants_ids_are_404(client, server):
+    conv = client.conversations.create(items=[{"role": "user", "content": "mine"}])
+    r = ask(client, "The fox", conversation=conv.id)
+    bob = server.client(api_key=BOB)
+    calls = {
+        "retrieve response": lambda c, rid, cid: c.responses.retrieve(rid),
+        "delete response": lambda c, rid, cid: c.responses.delete(rid),
+        "input items": lambda c, rid, cid: c.responses.input_items.list(rid),
+        "continue response": lambda c, rid, cid: ask(c, "hi", previous_response_id=rid),
+        "retrieve conversation": lambda c, rid, cid: c.conversations.retrieve(cid),
+        "delete conversation": lambda c, rid, cid: c.conversations.delete(cid),
+        "list items": lambda c, rid, cid: c.conversations.items.list(cid),
+        "add items": lambda c, rid, cid: c.conversations.items.create(cid, items=[{"role": "user", "content": "x"}]),
+        "respond in conversation": lambda c, rid, cid: ask(c, "hi", conversation=cid),
+    }
+    for who, c, rid, cid in (("bob", bob, r.id, conv.id), ("unknown", client, "resp_0123", "conv_0123"),
+                             ("not ours", client, "conversation", "resp_" + r.id)):
+        for name, call in calls.items():
+            with pytest.raises(openai.NotFoundError) as e:
+                call(c, rid, cid)
+            error = e.value.response.json()["error"]
+            assert error["type"] == "not_found_error" and set(error) == {"message", "type", "param", "code"}, \
+                (who, name)
+    assert client.responses.retrieve(r.id).output_text == r.output_text  # Bob's calls changed nothing
+    with pytest.raises(openai.BadRequestError):
+        ask(client, "hi", conversation=conv.id, previous_response_id=r.id)
+    with pytest.raises(openai.BadRequestError):
+        client.responses.create(model=MODEL_NAME, input="x", tools=[{"type": "web_search"}])
+
+
+# -- streams ---------------------------------------------------------------------------------------
+def sse(response: httpx.Response, limit: int | None = None) -> list[dict]:
+    """The events of a stream as {"event", "id", "data"}; stops after `limit` (the connection is closed)."""
+    events, current = [], {}
+    for line in response.iter_lines():
+        if not line:
+            if current.get("data"):
+                events.append({**current, "data": json.loads(current["data"])})
+                if limit is not None and len(events) >= limit:
+                    break
+            current = {}
+            continue
+        key, _, value = line.partition(":")
+        current[key] = value[1:] if value.startswith(" ") else value
+    return events
+
+
+def test_stream_events_ids_and_last_event_id_resume(client, server):
+    conv = client.conversations.create(extra_body={"seed": 5})
+    body = {"model": MODEL_NAME, "input": "The fox", "conversation": conv.id, "stream": True,
+            "max_output_tokens": 60, "kvstore_trace": True}
+    http = server.http(ALICE)
+    with http.stream("POST", "/v1/responses", json=body) as broken:
+        cut = sse(broken, limit=12)  # then the client goes away
+    assert [e["event"] for e in cut[:4]] == ["response.created", "response.in_progress",
+                                             "response.output_item.added", "response.content_part.added"]
+    assert [e["data"]["sequence_number"] for e in cut] == list(range(12))
+    rid = cut[0]["data"]["response"]["id"]
+    start = cut[4]["data"]["kvstore"]["trace"][0]["position"]
+    assert [e["id"] for e in cut[:5]] == [f"{rid}/{start}/{start - 1}"] * 4 + [f"{rid}/{start}/{start}"]
+
+    last = cut[-1]["id"]
+    with http.stream("POST", "/v1/responses", json=body, headers={"Last-Event-ID": last}) as resumed:
+        rest = sse(resumed)
+    kinds = [e["event"] for e in rest]
+    assert kinds[-4:-1] == ["response.output_text.done", "response.content_part.done", "response.output_item.done"]
+    assert kinds[-1] in ("response.completed", "response.incomplete") and set(kinds[:-4]) == {
+        "response.output_text.delta"}
+    numbers = [e["data"]["sequence_number"] for e in cut + rest]
+    assert numbers == list(range(len(numbers)))  # they go on where the broken stream stopped
+    deltas = [e for e in cut + rest if e["event"] == "response.output_text.delta"]
+    positions = [line["position"] for e in deltas for line in e["data"].get("kvstore", {}).get("trace", [])]
+    done = rest[-1]["data"]["response"]
+    assert positions == list(range(start, start + done["usage"]["output_tokens"]))
+    text = "".join(e["data"]["delta"] for e in deltas)
+    assert rest[-4]["data"]["text"] == text == done["output"][0]["content"][0]["text"] and done["id"] == rid
+    assert all(e["id"] == f"{rid}/{start}/end" for e in rest[-4:])
+
+    # the same request without the break, on a twin conversation: the same tokens and bits
+    twin = client.conversations.create(extra_body={"seed": 5})
+    whole = client.responses.create(model=MODEL_NAME, input="The fox", conversation=twin.id, max_output_tokens=60,
+                                    extra_body={"kvstore_trace": True})
+    computed = {line["position"]: line for e in deltas for line in e["data"].get("kvstore", {}).get("trace", [])}
+    assert whole.output_text == text
+    assert [line["token"] for line in trace_of(whole)] == [computed[p]["token"] for p in sorted(computed)]
+    assert all(computed[line["position"]]["logits_sha256"] in (None, line["logits_sha256"])
+               for line in trace_of(whole))  # replayed tokens carry no hash: they were not computed again
+    assert client.responses.retrieve(rid).output_text == text  # the snapshot was made when it finished
+
+    with client.responses.create(model=MODEL_NAME, input="again", previous_response_id=rid, max_output_tokens=4,
+                                 stream=True) as stream:
+        kinds = [e.type for e in stream]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"] and kinds[-1] in ("response.completed", "response.incomplete")
+
+
+def test_a_late_last_event_id_replays_the_response_after_the_conversation_went_on(client, server):
+    conv = client.conversations.create(extra_body={"seed": 21})
+    body = {"model": MODEL_NAME, "input": "The fox", "conversation": conv.id, "stream": True, "max_output_tokens": 12}
+    http = server.http(ALICE)
+    with http.stream("POST", "/v1/responses", json=body) as first:
+        whole = sse(first)  # all of it; say the client lost the end
+    ask(client, "and then?", conversation=conv.id)  # the conversation goes on
+    with http.stream("POST", "/v1/responses", json=body, headers={"Last-Event-ID": whole[6]["id"]}) as resumed:
+        rest = sse(resumed)  # from the response's own session: the conversation holds more now
+    assert [(e["event"], e["id"], e["data"]["sequence_number"]) for e in rest] == \
+        [(e["event"], e["id"], e["data"]["sequence_number"]) for e in whole[7:]]
+    assert [e["data"].get("delta") for e in rest] == [e["data"].get("delta") for e in whole[7:]]
+    assert rest[-1]["data"]["response"]["output"] == whole[-1]["data"]["response"]["output"]
+
+def test_a_response_survives_its_engines_death(client, server):
+    conv = client.conversations.create(extra_body={"seed": 9})
+    body = {"model": MODEL_NAME, "input": "The fox", "conversation": conv.id, "stream": True,
+            "max_output_tokens": 100, "kvstore_trace": True}
+    with server.http(ALICE).stream("POST", "/v1/responses", json=body) as stream:
+        lines = stream.iter_lines()
+        head = []
+        while len([line for line in head if line.startswith("data:")]) < 6:
+            head.append(next(lines))
+        server.kill_engine()  # the pool restarts it and resubmits the job from the conversation's checkpoint
+        raw = "\n".join(head + list(lines))
+    events = [json.loads(line[5:]) for line in raw.splitlines() if line.startswith("data:")]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))  # nothing twice, nothing lost
+    done = events[-1]["response"]
+    text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    twin = client.conversations.create(extra_body={"seed": 9})
+    whole = client.responses.create(model=MODEL_NAME, input="The fox", conversation=twin.id, max_output_tokens=100)
+    assert text == whole.output_text == done["output"][0]["content"][0]["text"]
+    assert client.responses.retrieve(done["id"]).output_text == text
+    assert "engine 0 died" in server.log()
+
+
+def test_kill_9_of_the_server_then_last_event_id(client, server):
+    """Last in the module: it restarts the server (same home, same port)."""
+    conv = client.conversations.create(extra_body={"seed": 13})
+    body = {"model": MODEL_NAME, "input": "The fox", "conversation": conv.id, "stream": True,
+            "max_output_tokens": 100}
+    with server.http(ALICE).stream("POST", "/v1/responses", json=body) as stream:
+        cut = sse(stream, limit=8)
+        server.kill()  # the API process; its engines checkpoint and leave
+    server.start()
+    with server.http(ALICE).stream("POST", "/v1/responses", json=body,
+                                   headers={"Last-Event-ID": cut[-1]["id"]}) as resumed:
+        rest = sse(resumed)
+    events = cut + rest
+    assert [e["data"]["sequence_number"] for e in events] == list(range(len(events)))
+    text = "".join(e["data"]["delta"] for e in events if e["event"] == "response.output_text.delta")
+    twin = client.conversations.create(extra_body={"seed": 13})
+    whole = client.responses.create(model=MODEL_NAME, input="The fox", conversation=twin.id, max_output_tokens=100)
+    assert text == whole.output_text
+    rid = cut[0]["data"]["response"]["id"]
+    assert client.responses.retrieve(rid).output_text == text  # acknowledged: the snapshot is in the store
+    items = client.conversations.items.list(conv.id, order="asc").data
+    assert [i.role for i in items] == ["user", "assistant"] and items[1].content[0].text == text

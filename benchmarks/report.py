@@ -393,10 +393,11 @@ def service_header(doc: dict, suite_machine: dict | None) -> list[str]:
              "The ratio is llama.cpp's TTFT p50 in its best mode for the case ÷ kvstore's. p99 is over the turns "
              "shown (with few turns, close to the slowest); tok/s: completion tokens ÷ request time.", ""]
     if sv.get("sse_comments_dropped"):
-        lines += ["The client drops the streams' SSE comments (keep-alive pings) before the `openai` package "
-                  "reads them: its decoder keeps the last event id and turns the blank line after a ping into an "
-                  "event with empty data, which it fails to parse, so a ping after an event with an id (kvstore "
-                  "serve's resumable streams) breaks it. Comments carry nothing a client uses.", ""]
+        lines += ["In this run the client dropped the streams' SSE comments (keep-alive pings) before the `openai` "
+                  "package read them: its decoder keeps the last event id and turned the blank line after a ping "
+                  "into an event with empty data, which it failed to parse, so a ping after an event with an id "
+                  "(kvstore serve's resumable streams) broke it (since fixed in the server: its keep-alives end no "
+                  "event). Comments carry nothing a client uses.", ""]
     if "llama.cpp disk" in sv.get("summary", {}):
         lines += ["llama-cpp-python's disk cache (0.3.36) takes the entry its lookup matches out of the cache "
                   "(`LlamaDiskCache.__getitem__` pops it) even when the request then does not use it: a new "

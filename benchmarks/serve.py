@@ -14,8 +14,8 @@ Contract:
   /health, which answers 503 while loading; llama.cpp: /v1/models). A restart kills the group
   (SIGKILL) and starts the server again on the same folder; at the end it is stopped (SIGTERM, then
   SIGKILL). A server that exits or is not ready within READY_TIMEOUT_S is an error naming its log.
-- Client. The official `openai` package, streaming, greedy (temperature 0), `max_tokens` per reply,
-  its SSE streams without their keep-alive comments unless --raw-sse (NoCommentStream says why).
+- Client. The official `openai` package as it is, streaming, greedy (temperature 0), `max_tokens`
+  per reply.
   The model is named as the server's GET /v1/models names it. TTFT: from sending the request to
   the first chunk with non-empty content. A reply's tokens: the
   stream's usage when the server sends it (stream_options.include_usage), else its content chunks.
@@ -65,8 +65,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-import httpx
-
 HERE = Path(__file__).resolve().parent
 FULL = {"doc_chars": 8000, "max_tokens": 32, "conversations": 3, "back_rounds": 2, "restarts": 3, "many": 4,
         "rounds": 2, "cache_conversations": 1.5, "n_ctx": 4096, "reps": 1}
@@ -102,7 +100,6 @@ class Spec:
     health: str
     sessions: bool
     notes: dict = field(default_factory=dict)
-    raw_sse: bool = False  # True: the client sees the SSE stream as sent, keep-alive comments included
 
 
 class Server:
@@ -126,8 +123,7 @@ class Server:
         ready = time.perf_counter() - start
         import openai
 
-        self.client = openai.OpenAI(base_url=self.base_url + "/v1", api_key="unused", max_retries=0, timeout=900,
-                                    http_client=client_http(self.spec.raw_sse))
+        self.client = openai.OpenAI(base_url=self.base_url + "/v1", api_key="unused", max_retries=0, timeout=900)
         self.model_id = self.client.models.list().data[0].id  # the name this server gives its model
         return ready
 
@@ -136,6 +132,8 @@ class Server:
         return f"http://127.0.0.1:{self.port}"
 
     def wait_ready(self, start: float) -> None:
+        import httpx
+
         while time.perf_counter() - start < READY_TIMEOUT_S:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.spec.label} exited with {self.proc.returncode} before it was ready: "
@@ -216,52 +214,6 @@ def llama_spec(gguf: Path, threads: int, n_ctx: int, mode: str, cache_size: int 
 
     notes = {"mode": mode, "cache_size": cache_size}
     return Spec(f"llama.cpp {mode}", argv, "/v1/models", sessions=False, notes=notes)
-
-
-class NoCommentStream(httpx.SyncByteStream):
-    """An SSE byte stream without its comment blocks (`: ping ...` and the blank line after it).
-
-    openai's SSE decoder keeps the last event id across events (as the spec says) and then treats
-    the blank line after a comment as an event with empty data, which it fails to parse as JSON: so
-    a keep-alive ping after an event that carried an id (kvstore serve's, for resumable streams)
-    breaks the official client. Comments carry nothing a client uses; dropping them changes no
-    timing."""
-
-    def __init__(self, stream):
-        self.stream = stream
-
-    def __iter__(self):
-        pending, skipping = b"", False
-        for chunk in self.stream:
-            pending += chunk
-            *lines, pending = pending.split(b"\n")
-            kept = []
-            for line in lines:
-                blank = line.strip(b"\r") == b""
-                if line.startswith(b":") or (skipping and blank):
-                    skipping = line.startswith(b":")
-                    continue
-                skipping = False
-                kept.append(line + b"\n")
-            if kept:
-                yield b"".join(kept)
-        if pending:
-            yield pending
-
-    def close(self):
-        self.stream.close()
-
-
-def client_http(raw_sse: bool):
-    """The openai client's httpx client: SSE comments dropped (NoCommentStream) unless raw_sse."""
-    class Transport(httpx.HTTPTransport):
-        def handle_request(self, request):
-            response = super().handle_request(request)
-            if response.headers.get("content-type", "").startswith("text/event-stream"):
-                response.stream = NoCommentStream(response.stream)
-            return response
-
-    return httpx.Client(transport=httpx.HTTPTransport() if raw_sse else Transport(), timeout=900)
 
 
 def kvstore_serve_status() -> str:
@@ -517,7 +469,7 @@ def compare(summary: dict) -> dict:
     return out
 
 
-def run(cfg: dict, threads: int, model: str, peer: bool, workdir: Path, modes=MODES, raw_sse: bool = False) -> dict:
+def run(cfg: dict, threads: int, model: str, peer: bool, workdir: Path, modes=MODES) -> dict:
     """The whole benchmark: figures as a JSON-able dict. kvstore is left out (with why) when this
     checkout has no `kvstore serve`; llama.cpp when `peer` is false or it is not installed."""
     import kvstore
@@ -534,11 +486,8 @@ def run(cfg: dict, threads: int, model: str, peer: bool, workdir: Path, modes=MO
     gguf = Path(kvstore.pull(model, quiet=True)) if Path(model).suffix != ".gguf" else Path(model)
     pairs = specs(model, gguf, threads, cfg, list(modes) if not why["llama.cpp"] else [], workdir)
     pairs = [p for p in pairs if not (p[0].label == "kvstore" and why["kvstore"])]
-    for spec in (s for p in pairs for s in p):
-        spec.raw_sse = raw_sse
     out = {"config": dict(cfg), "threads": threads, "model": model, "model_file": gguf.name, "modes": list(modes),
-           "targets": TARGETS, "sse_comments_dropped": not raw_sse,
-           "not_measured": {k: v for k, v in why.items() if v}, "doc_chars": len(document),
+           "targets": TARGETS, "not_measured": {k: v for k, v in why.items() if v}, "doc_chars": len(document),
            "servers": {p[0].label: {"base": p[0].notes, "many": p[1].notes} for p in pairs}}
     if not pairs:
         return out
@@ -558,8 +507,6 @@ def main(argv: list[str] | None = None) -> int:
                    help="also measure llama.cpp's server (when llama-cpp-python[server] is installed)")
     p.add_argument("--modes", default=",".join(MODES), help="llama.cpp's prompt-cache modes to measure")
     p.add_argument("--reps", type=int, help="repetitions of the whole workload")
-    p.add_argument("--raw-sse", action="store_true",
-                   help="give the openai client the SSE streams as sent (default: keep-alive comments dropped)")
     p.add_argument("--out", type=Path, default=HERE / "out")
     p.add_argument("--publish", action="store_true",
                    help="write benchmarks/results/serve/<cpu>.json and rebuild REPORT.md and the README from it")
@@ -571,7 +518,7 @@ def main(argv: list[str] | None = None) -> int:
     modes = [m for m in args.modes.split(",") if m]
     if set(modes) - set(MODES):
         p.error(f"--modes: choose from {', '.join(MODES)}")
-    results = standalone(cfg, args.threads, args.model, args.peer, modes, args.quick, args.raw_sse)
+    results = standalone(cfg, args.threads, args.model, args.peer, modes, args.quick)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "serve.json"
     text = json.dumps(results, indent=1) + "\n"
@@ -583,13 +530,12 @@ def main(argv: list[str] | None = None) -> int:
     return publish(results, text) if args.publish else 0
 
 
-def standalone(cfg: dict, threads: int, model: str, peer: bool, modes: list[str], quick: bool,
-               raw_sse: bool = False) -> dict:
+def standalone(cfg: dict, threads: int, model: str, peer: bool, modes: list[str], quick: bool) -> dict:
     from .__main__ import machine, versions
 
     started = time.time()
     with tempfile.TemporaryDirectory(prefix="kvstore-serve-") as tmp:
-        figures = run(cfg, threads, model, peer, Path(tmp), modes, raw_sse)
+        figures = run(cfg, threads, model, peer, Path(tmp), modes)
     return {"serve": figures, "machine": machine(), "versions": versions(), "quick": quick,
             "started": time.strftime("%Y-%m-%d %H:%M", time.localtime(started)), "duration_s": time.time() - started}
 

@@ -323,25 +323,6 @@ def test_what_the_servers_report_is_read():
     assert serve.usage_fields(None, 31)["completion_tokens"] == 31
 
 
-def test_sse_keepalive_comments_are_dropped_before_the_openai_decoder_reads_a_stream():
-    """Why: after an event with an id, openai's decoder makes an empty event of a ping's blank line."""
-    from openai._streaming import SSEDecoder
-
-    sent = [b'id: 7\r\ndata: {"a": 1}\r\n\r\n', b": ping - 2026-12", b"-01\r\n\r\n",
-            b'id: 8\r\ndata: {"b": 2}\r\n\r\n']
-
-    class Sent:
-        def __iter__(self):
-            return iter(sent)
-
-    def events(data: bytes) -> list[str]:
-        decoder = SSEDecoder()
-        return [e.data for e in map(decoder.decode, data.decode().splitlines()) if e is not None]
-
-    assert events(b"".join(sent)) == ['{"a": 1}', "", '{"b": 2}']  # the empty one: json.loads fails on it
-    assert events(b"".join(serve.NoCommentStream(Sent()))) == ['{"a": 1}', '{"b": 2}']
-
-
 @pytest.mark.realmodel
 def test_the_quick_service_benchmark_runs_against_kvstore_serve(tmp_path, smollm2_path):
     """`python -m benchmarks.serve --quick --no-peer`'s measurement: a real `kvstore serve` in a

@@ -4,6 +4,8 @@
                                           # 100,000 sessions): publishes (below)
     python -m benchmarks run --quick      # CI-sized (< 3 min; a store of 1,000 sessions): into benchmarks/out/
     python -m benchmarks.scale [--quick]  # the store-scale phase alone: benchmarks/out/scale.json
+    python -m benchmarks.serve [--quick]  # the service phase alone (`kvstore serve` vs llama.cpp's server):
+                                          # benchmarks/out/serve.json; --publish: its per-CPU file
     python -m benchmarks report [--results benchmarks/results.json] [--dest DIR] [--readme README.md]
 
 `run` loads SmolLM2-135M-Instruct in bfloat16 on --threads threads for kvstore and Hugging Face
@@ -11,7 +13,9 @@ transformers (and llama.cpp's own Q4_1 run when llama-cpp-python is installed), 
 alternately (A B A B) and writes every repetition to results.json, then the report from it.
 A full run with the peers publishes: benchmarks/results.json (and a copy per CPU model in
 benchmarks/results/), benchmarks/REPORT.md with plots/, and the README's Benchmarks section, all
-from that one results.json. `report` rebuilds them from a results.json.
+from that one results.json, plus a Service section for each CPU's published service results
+(benchmarks/results/serve/<cpu>.json, from `python -m benchmarks.serve --publish`) other than this
+run's own. `report` rebuilds them from a results.json and those files.
 """
 
 from __future__ import annotations
@@ -57,7 +61,10 @@ def main(argv: list[str] | None = None) -> int:
     rep.add_argument("--readme", type=Path, help="also put the summary table into this README's Benchmarks section")
     args = p.parse_args(argv)
     if args.command == "report":
-        return write_report(json.loads(args.results.read_text()), args.dest, args.readme)
+        from . import report
+
+        results = json.loads(args.results.read_text())
+        return write_report(results, args.dest, args.readme, report.published_services(HERE, results))
     results = run_suite(args)
     args.out.mkdir(parents=True, exist_ok=True)
     text = json.dumps(results, indent=1) + "\n"
@@ -77,16 +84,16 @@ def publish(results: dict, text: str) -> int:
     per_cpu.parent.mkdir(exist_ok=True)
     per_cpu.write_text(text)
     print(f"results: {HERE / 'results.json'} (and {per_cpu.relative_to(HERE.parent)})")
-    return write_report(results, HERE, HERE.parent / "README.md")
+    return write_report(results, HERE, HERE.parent / "README.md", report.published_services(HERE, results))
 
 
-def write_report(results: dict, dest: Path, readme: Path | None) -> int:
+def write_report(results: dict, dest: Path, readme: Path | None, services: list[dict] = ()) -> int:
     from . import report
 
-    path = report.write(results, dest)
+    path = report.write(results, dest, services)
     print(f"report: {path}")
     if readme is not None:
-        report.update_readme(readme, results)
+        report.update_readme(readme, results, services)
         print(f"README table: {readme}")
     return 0
 
@@ -125,6 +132,7 @@ def run_suite(args) -> dict:
             ("checkpoint", lambda: _checkpoint(store, model, cfg)),
             ("forks", lambda: _forks(store, model, cfg)),
             ("scale", lambda: _scale(model, args.quick, Path(tmp))),
+            ("serve", lambda: _serve(args, llama is not None, Path(tmp) / "serve")),
         ]
         for name, phase in phases:
             load[name] = os.getloadavg()
@@ -224,6 +232,15 @@ def _scale(model, quick: bool, workdir: Path) -> dict:
     return scale.run(model, dict(scale.QUICK if quick else scale.FULL), workdir, log=log)
 
 
+def _serve(args, peer: bool, workdir: Path) -> dict:
+    """The service phase: `kvstore serve` (when this checkout has it) against llama.cpp's server
+    (when llama.cpp is measured in this run), in subprocesses."""
+    from . import serve
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    return serve.run(dict(serve.QUICK if args.quick else serve.FULL), args.threads, args.model, peer, workdir)
+
+
 def machine() -> dict:
     """CPU, cores, RAM and OS (no paths of this machine: the report is committed)."""
     def read(path: str) -> list[str]:
@@ -265,7 +282,21 @@ def versions() -> dict:
     except ImportError:
         out["transformers"] = None
     out["llama-cpp-python"] = llama_peer.status()[0]
+    out |= client_versions()
     out["kvstore"] = git_commit()
+    return out
+
+
+def client_versions() -> dict:
+    """The service phase's client and server packages (None: not installed)."""
+    from importlib import metadata
+
+    out = {}
+    for name in ("openai", "fastapi", "uvicorn"):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
     return out
 
 

@@ -103,11 +103,13 @@ def scale_targets(sc: dict | None, add) -> None:
         lambda x: x <= 1)
 
 
+MARK = {True: "met", False: "**not met**", None: "not measured"}
+
+
 def summary_table(r: dict, only: str = "") -> str:
     """The targets table; `only`: the goals that start with it."""
-    mark = {True: "met", False: "**not met**", None: "not measured"}
     lines = ["| goal | measured: median (min–max) | target | |", "|---|---|---|---|"]
-    lines += [f"| {t['goal']} | {t['figure']} | {t['target']} | {mark[t['met']]} |" for t in targets(r)
+    lines += [f"| {t['goal']} | {t['figure']} | {t['target']} | {MARK[t['met']]} |" for t in targets(r)
               if t["goal"].startswith(only)]
     return "\n".join(lines)
 
@@ -309,6 +311,156 @@ def scale_section(r: dict) -> list[str]:
     return lines + [f"| {a} | {b} | {c_} | {d} |" for a, b, c_, d in rows] + [""]
 
 
+# -- the service (benchmarks/serve.py) --------------------------------------------------------------
+CASE_TITLES = {"first": "a conversation's first turn (the document, cold)",
+               "next": "the next turn of the same conversation",
+               "back": "back to a conversation after others used the server",
+               "restart": "the next turn after a server restart (killed, started again)",
+               "many": "round-robin over more conversations than llama.cpp's RAM cache holds"}
+SERVICE_GOALS = {"restart": "first turn after a server restart", "back": "coming back to a conversation",
+                 "many": "more conversations than llama.cpp's RAM cache holds"}
+
+
+def services_dir(bench: Path) -> Path:
+    """Where the published standalone service results live: one file per CPU model."""
+    return bench / "results" / "serve"
+
+
+def published_services(bench: Path, suite: dict) -> list[dict]:
+    """The committed service results (benchmarks/results/serve/*.json), by file name, less the one
+    of the suite run's CPU when the suite run measured the service itself."""
+    import json
+
+    docs = [json.loads(p.read_text(encoding="utf-8")) for p in sorted(services_dir(bench).glob("*.json"))]
+    if "serve" in suite:
+        docs = [d for d in docs if d["machine"]["cpu"] != suite["machine"]["cpu"]]
+    return docs
+
+
+def service_docs(r: dict, services: list[dict]) -> list[dict]:
+    return ([r] if "serve" in r else []) + list(services)
+
+
+def seconds(x: float) -> str:
+    return f"{x * 1e3:.0f} ms" if x < 1 else f"{x:.2f} s"
+
+
+def service_rows(sv: dict) -> list[dict]:
+    """[{case, goal, ours, best, figure, target, met}] for the service's targets (met None: not measured)."""
+    rows = []
+    for case, goal in SERVICE_GOALS.items():
+        q = sv.get("ratios", {}).get(case)
+        ours = sv.get("summary", {}).get("kvstore", {}).get("cases", {}).get(case)
+        target = sv.get("targets", {}).get(case)
+        rows.append({"case": case, "goal": goal, "target": f"≥ {target:.0f}×" if target else "",
+                     "ours": seconds(ours["ttft_s"]["p50"]) if ours else "not measured",
+                     "best": f"{seconds(q['best_p50'])} ({q['best'].removeprefix('llama.cpp ')})" if q else
+                     "not measured",
+                     "figure": f"{q['ratio_p50']:.1f}×" if q else "not measured",
+                     "met": None if q is None else bool(q["met"])})
+    return rows
+
+
+def service_table(sv: dict) -> str:
+    lines = ["| goal: TTFT p50 | kvstore | llama.cpp, best mode | llama.cpp ÷ kvstore | target | |",
+             "|---|---:|---:|---:|---|---|"]
+    lines += [f"| {t['goal']} | {t['ours']} | {t['best']} | {t['figure']} | {t['target']} | {MARK[t['met']]} |"
+              for t in service_rows(sv)]
+    return "\n".join(lines)
+
+
+def service_header(doc: dict, suite_machine: dict | None) -> list[str]:
+    sv, m, v = doc["serve"], doc["machine"], doc["versions"]
+    other = suite_machine is not None and suite_machine["cpu"] != m["cpu"]
+    cfg = sv["config"]
+    lines = ["## Service", "",
+             f"**{m['cpu']}**: measured by `python -m benchmarks.serve{' --quick' if doc['quick'] else ''}` on "
+             f"{doc['started']} ({doc['duration_s'] / 60:.1f} min) on {m['cpu']} ({m['arch']}), {m['cores']} cores"
+             f"{cpu_features(m)}, each server on {sv['threads']} threads; llama-cpp-python "
+             f"{v.get('llama-cpp-python') or 'not installed'}, openai {v.get('openai') or '?'}, kvstore commit "
+             f"{v['kvstore']}." + (f" **Not the machine of the sections above** ({suite_machine['cpu']}): compare "
+                                   "these figures with each other only." if other else ""), "",
+             f"The workload: {cfg['conversations']} conversations, then {cfg['many']} more, each opening with a "
+             f"system line of its own and a {sv['doc_chars']:,}-character document (the standard library's "
+             "docstrings) as its first user message, then short questions; the client (the official `openai` "
+             f"package, streaming, greedy, {cfg['max_tokens']} tokens a reply) resends the whole history each turn, "
+             "and names the conversation for kvstore with `X-Session-Id`. TTFT: from the request to the first "
+             "content chunk. Each server runs as its own process on a loopback port; a restart kills it "
+             "(SIGKILL) and starts it again on the same folder. kvstore serves the model in bf16; llama.cpp runs "
+             "the GGUF's own Q4_1 weights with an f16 KV cache, in each prompt-cache mode: none, ram "
+             "(`--cache True --cache_type ram`) and disk (`--cache True --cache_type disk`); for the round-robin "
+             f"case its RAM cache is sized (`--cache_size`) for {cfg['cache_conversations']} conversations. "
+             "The ratio is llama.cpp's TTFT p50 in its best mode for the case ÷ kvstore's. p99 is over the turns "
+             "shown (with few turns, close to the slowest); tok/s: completion tokens ÷ request time.", ""]
+    if sv.get("sse_comments_dropped"):
+        lines += ["In this run the client dropped the streams' SSE comments (keep-alive pings) before the `openai` "
+                  "package read them: its decoder keeps the last event id and turned the blank line after a ping "
+                  "into an event with empty data, which it failed to parse, so a ping after an event with an id "
+                  "(kvstore serve's resumable streams) broke it (since fixed in the server: its keep-alives end no "
+                  "event). Comments carry nothing a client uses.", ""]
+    if "llama.cpp disk" in sv.get("summary", {}):
+        lines += ["llama-cpp-python's disk cache (0.3.36) takes the entry its lookup matches out of the cache "
+                  "(`LlamaDiskCache.__getitem__` pops it) even when the request then does not use it: a new "
+                  "conversation, whose tokens share the first words of the system line with another's, removes "
+                  "that other conversation's entry. So its disk mode helps a conversation only when no other one "
+                  "ran since, as in the restart case, which runs the same conversation before and after.", ""]
+    gone = sv.get("not_measured", {})
+    if gone:
+        lines += ["Not measured: " + "; ".join(f"{k}: {why}" for k, why in gone.items()) + ".", ""]
+    return lines
+
+
+def service_case(sv: dict, case: str) -> list[str]:
+    rows = [(server, x["cases"][case]) for server, x in sv["summary"].items() if case in x["cases"]]
+    if not rows:
+        return []
+    lines = [f"**{case}**: {CASE_TITLES[case]}", "",
+             "| server | turns | TTFT p50 | TTFT p99 | min–max | tok/s | prompt tokens | reused / evaluated |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for server, c in rows:
+        t = c["ttft_s"]
+        reuse = (f"{c['cached_tokens']:,.0f} reused" if c.get("cached_tokens") is not None else
+                 f"{c['prompt_eval_tokens']:,.0f} evaluated" if c.get("prompt_eval_tokens") is not None else "")
+        prompt = f"{c['prompt_tokens']:,.0f}" if c.get("prompt_tokens") is not None else ""
+        lines.append(f"| {server} | {t['n']} | {seconds(t['p50'])} | {seconds(t['p99'])} | "
+                     f"{seconds(t['min'])}–{seconds(t['max'])} | {c['tok_s']:.1f} | {prompt} | {reuse} |")
+    q = sv.get("ratios", {}).get(case)
+    if q:
+        goal = f"; target ≥ {q['target']:.0f}×: {MARK[q['met']]}" if "target" in q else ""
+        lines += ["", f"llama.cpp's best mode here: {q['best'].removeprefix('llama.cpp ')}; its p50 ÷ kvstore's: "
+                      f"**{q['ratio_p50']:.1f}×** (p99: {q['ratio_p99']:.1f}×){goal}."]
+    return lines + [""]
+
+
+def service_totals(doc: dict) -> list[str]:
+    sv = doc["serve"]
+    starts = {}
+    for s in sv.get("starts", []):
+        starts.setdefault(s["server"], []).append(s["ready_s"])
+    lines = ["**All turns**", "",
+             "| server | turns | completion tokens | aggregate tok/s | ready after start, median | load average (1 min) |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for server, x in sv["summary"].items():
+        ready = sorted(starts.get(server, [0.0]))
+        load = x.get("load_1min")
+        lines.append(f"| {server} | {x['turns']} | {x['completion_tokens']:,} | {x['tok_s']:.1f} | "
+                     f"{seconds(ready[len(ready) // 2])} | {f'{load[0]:.2f}–{load[1]:.2f}' if load else ''} |")
+    return lines + ["", f"The machine has {doc['machine']['cores']} cores: a load average above the servers' own "
+                        "threads means other work shared them, which shows in the spread.", ""]
+
+
+def service_section(doc: dict, suite_machine: dict | None) -> list[str]:
+    """The Service section of one service run (its CPU named; flagged when it is not the suite's)."""
+    sv = doc["serve"]
+    lines = service_header(doc, suite_machine)
+    if not sv.get("summary"):
+        return lines
+    lines += [service_table(sv), ""]
+    for case in CASE_TITLES:
+        lines += service_case(sv, case)
+    return lines + service_totals(doc)
+
+
 def not_measured(r: dict) -> list[str]:
     gone = {k: why for k, why in r["peers"].items() if why}
     if not gone:
@@ -316,19 +468,23 @@ def not_measured(r: dict) -> list[str]:
     return ["## Not measured", ""] + [f"- {k}: {why}" for k, why in gone.items()] + [""]
 
 
-def markdown(r: dict) -> str:
+def markdown(r: dict, services: list[dict] = ()) -> str:
+    """The report of a suite run `r`, with a Service section for its own serve phase (if it ran one)
+    and for each of `services` (standalone `python -m benchmarks.serve` results, per CPU)."""
     parts = header(r) + not_measured(r) + ttft_section(r) + engine_section(r) + save_section(r)
     parts += checkpoint_section(r) + growth_section(r) + scale_section(r)
+    for doc in service_docs(r, services):
+        parts += service_section(doc, r["machine"])
     return "\n".join(parts).rstrip() + "\n"
 
 
-def write(r: dict, dest: Path) -> Path:
+def write(r: dict, dest: Path, services: list[dict] = ()) -> Path:
     from . import charts
 
     dest.mkdir(parents=True, exist_ok=True)
     charts.draw_all(r, dest / "plots")
     path = dest / "REPORT.md"
-    path.write_text(markdown(r), encoding="utf-8")
+    path.write_text(markdown(r, services), encoding="utf-8")
     return path
 
 
@@ -337,21 +493,32 @@ def cpu_slug(r: dict) -> str:
     return re.sub(r"[^a-z0-9]+", "-", r["machine"]["cpu"].lower()).strip("-") or "unknown-cpu"
 
 
-def readme_section(r: dict) -> str:
+def readme_section(r: dict, services: list[dict] = ()) -> str:
+    service = []
+    for doc in service_docs(r, services):
+        if doc["serve"].get("summary"):
+            service += [f"`kvstore serve` against llama.cpp's server (`python -m benchmarks.serve` on "
+                        f"{doc['started']}, "
+                        f"{doc['serve']['threads']} threads of a {doc['machine']['cores']}-core {doc['machine']['cpu']}"
+                        f"{', not the CPU above' if doc['machine']['cpu'] != r['machine']['cpu'] else ''}): "
+                        "TTFT p50, llama.cpp in its best prompt-cache mode for each case "
+                        "([Service](benchmarks/REPORT.md#service)).", "", service_table(doc["serve"]), ""]
     return "\n".join([
         f"Measured by `python -m benchmarks run` on {r['started']}: SmolLM2-135M-Instruct in bf16 on "
         f"{r['settings']['threads']} threads of a {r['machine']['cores']}-core {r['machine']['cpu']}, "
         "kvstore and its peers (HF transformers, llama.cpp) alternating; median (min–max). "
         "The full report, with every figure, the machine, the versions and the plots: "
-        "[benchmarks/REPORT.md](benchmarks/REPORT.md).", "", summary_table(r), "",
+        "[benchmarks/REPORT.md](benchmarks/REPORT.md).", "", summary_table(r), "", *service,
         "Run it yourself with `python -m benchmarks run` (full, writes the report) or "
-        "`python -m benchmarks run --quick` (under 3 minutes, into `benchmarks/out/`).", ""])
+        "`python -m benchmarks run --quick` (under 3 minutes, into `benchmarks/out/`); the service alone: "
+        "`python -m benchmarks.serve` (`--publish` writes its per-CPU file and rebuilds the report).", ""])
 
 
-def update_readme(path: Path, r: dict) -> None:
+def update_readme(path: Path, r: dict, services: list[dict] = ()) -> None:
     """Replace the body of the README's `## Benchmarks` section (up to the next `## `)."""
     text = path.read_text(encoding="utf-8")
     m = re.search(r"^## Benchmarks\n(.*?)(?=^## )", text, re.S | re.M)
     if m is None:
         raise SystemExit(f"{path}: no `## Benchmarks` section followed by another section")
-    path.write_text(text[:m.start(1)] + "\n" + readme_section(r) + "\n" + text[m.end(1):], encoding="utf-8")
+    body = readme_section(r, services)
+    path.write_text(text[:m.start(1)] + "\n" + body + "\n" + text[m.end(1):], encoding="utf-8")

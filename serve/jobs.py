@@ -44,8 +44,9 @@ def plan(session, messages: list[dict[str, str]]) -> Plan:
     stored = [{"role": m["role"], "content": m["text"]} for m in session.messages]
     if not session.tokens:
         return Plan("cold", [])
-    if stored == messages[:len(stored)] and len(messages) > len(stored) and not session.active_call:
-        return Plan("continue", messages[len(stored):])
+    new = messages[len(stored):]
+    if stored == messages[:len(stored)] and new and new[-1]["role"] == "user" and not session.active_call:
+        return Plan("continue", new)
     prompt = session.model.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     common = 0
     for a, b in zip(session.tokens, prompt):
@@ -66,6 +67,7 @@ def chat(engine, job: dict[str, Any]) -> Iterator[dict[str, Any]]:
         return
     messages = job["messages"]
     session, how, restore = engine.writer(job["session"], create=job.get("create"))
+    check_seed(session, job.get("seed"))
     p = plan(session, messages)
     cached = session.n_cached
     if p.kind == "cold" and session.tokens:
@@ -84,11 +86,20 @@ def chat(engine, job: dict[str, Any]) -> Iterator[dict[str, Any]]:
     yield from reply(engine, session, pieces, tokens, job, cached)
 
 
+def check_seed(session, seed: int | None) -> None:
+    """A session draws with the seed it was made with (C3: a draw is a function of seed and position)."""
+    if seed is not None and seed != session.seed:
+        raise kvstore.errors.InvalidArgument(
+            f"session {session.name!r} was made with seed {session.seed}: a session's seed is fixed when it is "
+            "created; leave seed out, or pass that one")
+
+
 def complete(engine, job: dict[str, Any]) -> Iterator[dict[str, Any]]:
     if job.get("after") is not None:
         yield from resume(engine, job)
         return
     session, how, restore = engine.writer(job["session"], create=job.get("create"))
+    check_seed(session, job.get("seed"))
     yield {"event": "start", "context": how if session.tokens else "computed", **restore}
     cached = session.n_cached
     session.append_text(job["prompt"])

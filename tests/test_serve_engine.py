@@ -73,3 +73,19 @@ def test_interleaving_changes_no_bit(tmp_path, model):
     b = chat_job("b", "two", "hello there", 6)
     together = run([a, b])
     assert together == {**run([a]), **run([b])}
+
+
+def test_a_conversation_that_ends_with_the_assistant_is_answered_whole_not_as_a_user_turn(tmp_path, model):
+    store = kvstore.open_store(tmp_path / "home")
+    engine = Engine(store, model)
+    first = chat_job("one", "talk", "hello there", 3)
+    messages = [{"role": "user", "content": "hello there"}, {"role": "assistant", "content": "Sure, here"}]
+    pipe = FakePipe([first, {**chat_job("two", "talk", "", 3), "messages": messages}, {"op": "stop"}])
+    try:
+        Loop(pipe, engine).run()
+    finally:
+        engine.close()
+    assert [m["event"] for m in pipe.sent if m["id"] == "two"][-1] == "end"
+    roles = [(m.role, m.text) for m in store.messages("talk")][:2]
+    assert roles == [("user", "hello there"), ("assistant", "Sure, here")]  # not chatted as the user's words
+    store.close()

@@ -30,7 +30,7 @@ async def completions(body: CompletionRequest, request: Request, who: Tenant = D
     spec: dict[str, Any] = {
         "kind": "complete", "session": who.stored(public), "prompt": body.prompt,
         "max_tokens": svc.max_tokens(body.limit()), "stop": body.stop, "sampling": body.sampler(),
-        "create": svc.new_session_settings(body.seed, body.sampler())}
+        "create": svc.new_session_settings(body.seed, body.sampler()), "seed": body.seed}
     if resume:
         spec.update(after=resume.after, reply_start=resume.start)
     run = Run(spec, who, public, id=request_id, route="completions")

@@ -3,8 +3,9 @@
 Queries arrive token-major (`[T, heads, head_dim]`) and keys and values as cache rows
 (`[T, 2 (K, V), kv_heads, head_dim]`), the layouts the projections produce and the cache stores.
 `attend` writes the rows into the cache (`KVCache.write`, the one write path) and runs
-`F.scaled_dot_product_attention` (grouped-query heads included) over positions 0..pos+T-1. The
-mask, and with it the kernel SDPA picks, depends on (pos, T) alone, built once per forward.
+`F.scaled_dot_product_attention` (grouped-query heads included) over positions 0..pos+T-1; a
+single query on the CPU (a decode step) goes through `one_query` instead. The mask, and with it
+the kernel SDPA picks, depends on (pos, T) alone, built once per forward.
 """
 
 from __future__ import annotations
@@ -39,6 +40,21 @@ def attend(q: torch.Tensor, kv: torch.Tensor, cache: KVCache | None, layer: int,
         assert pos == 0, "without a cache, a forward starts at position 0"
         k_all, v_all = kv.permute(1, 2, 0, 3).unbind(0)  # [n_kv, T, hd] each
         k_all, v_all = k_all.unsqueeze(0), v_all.unsqueeze(0)
+    if T == 1 and q.device.type == "cpu":
+        return one_query(q[0], k_all[0], v_all[0]).view(1, n_heads * hd)
     o = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k_all, v_all, attn_mask=mask[0],
                                        is_causal=mask[1], enable_gqa=k_all.shape[1] != n_heads)
     return o[0].transpose(0, 1).reshape(T, n_heads * hd)  # [1, n_heads, T, hd] -> [T, n_heads hd]
+
+
+def one_query(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """A decode step's attention on the CPU: q `[n_heads, hd]`, k and v `[n_kv_heads, L, hd]` ->
+    `[n_heads, hd]`, in float32 (scores, softmax, weighted sum), query head h reading KV head
+    h // (n_heads / n_kv_heads) as SDPA's grouped-query mode does. For one query this is several
+    times faster than SDPA's flash kernel on the CPU, which made most of a decode step at long
+    contexts; it depends on the positions' K/V only (not on the cache's capacity)."""
+    n_kv, _, hd = k.shape
+    grouped = q.view(n_kv, -1, hd).float()  # [n_kv, group, hd]
+    scores = torch.bmm(grouped, k.float().transpose(1, 2)).mul_(hd ** -0.5)  # [n_kv, group, L]
+    out = torch.bmm(torch.softmax(scores, dim=-1), v.float())  # [n_kv, group, hd]
+    return out.to(q.dtype).view(-1, hd)

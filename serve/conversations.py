@@ -24,7 +24,7 @@ from typing import Any, Iterator
 
 from kvstore import errors
 
-from .jobs import reply, resume
+from .jobs import converse, reply, resume
 from .replies import Tokens
 
 
@@ -59,11 +59,8 @@ def _fresh(engine, job: dict[str, Any]) -> Iterator[dict[str, Any]]:
     messages = job["messages"]
     yield {"event": "start", "context": how if session.tokens else "computed", "message":
            len(session.messages) + len(messages), **restore}
-    for m in messages[:-1]:
-        session.add_message(m["role"], m["content"])
     tokens = Tokens()
-    pieces = session.chat(messages[-1]["content"], max_new_tokens=job["max_tokens"], trace=tokens,
-                          **(job.get("sampling") or {}))
+    pieces = converse(session, messages, max_new_tokens=job["max_tokens"], trace=tokens, **(job.get("sampling") or {}))
     yield from reply(engine, session, pieces, tokens, job, cached)
 
 

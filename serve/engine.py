@@ -3,12 +3,12 @@
 It talks to the API process over one duplex pipe, in dicts:
 - API -> engine: `{"op": "run", "id", **job}`, `{"op": "cancel", "id"}`, `{"op": "stop"}`;
 - engine -> API: `{"event": "ready", "model", "pid"}` once the model is loaded, then the events of
-  each job with its `id`; `{"event": "closed", "id"}` after a cancelled job was checkpointed.
+  each job with its `id` (a cancelled job sends nothing more: it checkpoints as it closes).
 
 Every running job is advanced one event per round, a token or a prefill chunk, so one long reply
-or one long prompt does not hold back another session's tokens. Sessions stay open (their writer lock held, their cache in memory) between
-requests, up to `max_open`, least recently used closed first; a session is only ever written by the
-engine it is pinned to. When the API process goes away (the pipe's end is closed: a crash, a kill),
+or one long prompt does not hold back another session's tokens. Sessions stay open (their writer
+lock held, their cache in memory) between requests, up to `max_open`, least recently used closed
+first; a session is only ever written by the engine it is pinned to. When the API process goes away (the pipe's end is closed: a crash, a kill),
 or on `stop`, every job is closed and every session checkpointed before the process exits.
 """
 
@@ -93,11 +93,14 @@ class Engine:
         return new
 
     def _free_name(self, name: str) -> str:
-        taken = set(self.store.names())
+        """The first of NAME@1, NAME@2, ... that no session has."""
         n = 1
-        while f"{name}@{n}" in taken:
-            n += 1
-        return f"{name}@{n}"
+        while True:
+            try:
+                self.store.check_new_name(f"{name}@{n}")
+                return f"{name}@{n}"
+            except kvstore.errors.SessionExists:
+                n += 1
 
     def checkpoint(self, name: str) -> None:
         if name in self.sessions:
@@ -109,8 +112,7 @@ class Engine:
             session.close()
 
     def resident(self) -> dict[str, int]:
-        return {"resident_bytes": sum(s.n_cached for s in self.sessions.values()) * self.token_bytes,
-                "open_sessions": len(self.sessions)}
+        return {"resident_bytes": sum(s.n_cached for s in self.sessions.values()) * self.token_bytes}
 
     def close(self) -> None:
         while self.sessions:
@@ -195,7 +197,6 @@ class Loop:
             job = self.running.pop(msg["id"], None)
             if job is not None:
                 job.close()  # the session's generator checkpoints as it closes
-                self._send({"event": "closed", "id": msg["id"]})
         elif msg["op"] == "stop":
             self.stopping = True
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
-from kvstore import errors
 
 from .failures import not_found
 from .tenants import Tenant
@@ -43,10 +42,7 @@ def info_of(store, who: Tenant, public: str, prefix: str):
     what = "conversation" if prefix == CONVERSATION else "response"
     if not isinstance(public, str) or not public.startswith(prefix):
         raise not_found(what, public)
-    try:
-        return store.info(who.stored(public))
-    except (errors.SessionNotFound, errors.InvalidName):
-        raise not_found(what, public) from None
+    return who.info(store, public, what)
 
 
 def conversation_object(public: str, info) -> dict[str, Any]:

@@ -21,7 +21,7 @@ finish reason) or `error` (an OpenAI-shaped error, `failures.py`).
 
 from __future__ import annotations
 
-import time
+import itertools
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -78,12 +78,18 @@ def chat(engine, job: dict[str, Any]) -> Iterator[dict[str, Any]]:
     tokens = Tokens()
     args = dict(max_new_tokens=job["max_tokens"], trace=tokens, stop=tuple(job.get("stop") or ()), **sampling)
     if p.kind == "continue":
-        for m in p.new[:-1]:
-            session.add_message(m["role"], m["content"])
-        pieces = session.chat(p.new[-1]["content"], **args)
+        pieces = converse(session, p.new, **args)
     else:
         pieces = session.respond(messages, **args)
     yield from reply(engine, session, pieces, tokens, job, cached)
+
+
+def converse(session, new: list[dict[str, str]], **args) -> Iterator[str]:
+    """The reply to `new` messages after the session's own: all but the last fed as context
+    (`add_message`), the last, a user message, answered (`Session.chat`)."""
+    for m in new[:-1]:
+        session.add_message(m["role"], m["content"])
+    return session.chat(new[-1]["content"], **args)
 
 
 def check_seed(session, seed: int | None) -> None:
@@ -123,7 +129,7 @@ def reply(engine, session, pieces, tokens: Tokens, job: dict[str, Any], cached: 
     yield {"event": "end", "text": tail, "finish_reason": reason, "session": session.name,
            "prompt_tokens": prompt_tokens if prompt_tokens is not None else start,
            "cached_tokens": cached, "completion_tokens": len(session.tokens) - start,
-           "last_position": len(session.tokens) - 1, "checkpoint_seconds": session.last_checkpoint_seconds,
+           "checkpoint_seconds": session.last_checkpoint_seconds,
            **engine.resident()}
 
 
@@ -156,16 +162,11 @@ def resume(engine, job: dict[str, Any]) -> Iterator[dict[str, Any]]:
     pieces = stored_pieces(kvstore.StreamDecoder(tok), stored, start, tokens, tok.eos_ids)
     finish = None
     if call is not None:
-        pieces = _chain(pieces, session.resume(trace=tokens))
+        pieces = itertools.chain(pieces, session.resume(trace=tokens))
     else:  # it had ended: say why, as the uninterrupted stream did
         finish = "stop" if (stored and stored[-1] in tok.eos_ids) or len(stored) < job["max_tokens"] else "length"
     yield from reply(engine, session, pieces, tokens, job, session.n_cached, after=after, prompt_tokens=start,
                      finish=finish)
-
-
-def _chain(*iterators):
-    for it in iterators:
-        yield from it
 
 
 def manage(engine, job: dict[str, Any]) -> Iterator[dict[str, Any]]:
@@ -191,10 +192,9 @@ KINDS = {"chat": chat, "complete": complete, **{k: manage for k in ("create", "f
 
 def run(engine, job: dict[str, Any]) -> Iterator[dict[str, Any]]:
     """The job's events; a library error becomes an `error` event (the session is left as it was)."""
-    started = time.perf_counter()
     try:
         yield from KINDS[job["kind"]](engine, job)
     except GeneratorExit:
         raise
     except Exception as e:  # noqa: BLE001 -- every failure is an answer to the client, never a dead engine
-        yield {**from_library(e).to_event(), "seconds": time.perf_counter() - started}
+        yield from_library(e).to_event()

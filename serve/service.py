@@ -163,9 +163,7 @@ class Service:
         """Delete a session this server made for one request (the stateless ones), once delivered."""
         engine = self.pool.engine_for(tenant_session)
         try:
-            job = await self.pool.submit({"kind": "delete", "session": tenant_session}, engine)
-            while (await job.events.get())["event"] not in ("end", "error"):
-                pass
+            await outcome(await self.pool.submit({"kind": "delete", "session": tenant_session}, engine))
         except Exception as e:  # noqa: BLE001 -- a leftover session is listed, not lost
             log.warning("could not delete the one-request session %s: %s", tenant_session, e)
 
@@ -174,11 +172,17 @@ class Service:
         its message in the tenant's names)."""
         engine = self.pool.engine_for(spec["session"])
         async with self.admission.slot(spec["session"], engine):
-            job = await self.pool.submit(spec, engine)
-            while True:
-                event = await job.events.get()
-                if event["event"] == "error":
-                    error = ApiError.from_event(event)
-                    raise (for_tenant(error, tenant) if tenant is not None else error)
-                if event["event"] == "end":
-                    return event
+            try:
+                return await outcome(await self.pool.submit(spec, engine))
+            except ApiError as error:
+                raise (for_tenant(error, tenant) if tenant is not None else error) from None
+
+
+async def outcome(job) -> dict[str, Any]:
+    """A job's end event, once it comes; its error event raised as ApiError."""
+    while True:
+        event = await job.events.get()
+        if event["event"] == "error":
+            raise ApiError.from_event(event)
+        if event["event"] == "end":
+            return event

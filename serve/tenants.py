@@ -19,7 +19,7 @@ from pathlib import Path
 from kvstore import errors
 
 from . import observer
-from .failures import ApiError
+from .failures import ApiError, not_found
 
 NAME_LIMIT = 128  # the store's limit on a session's name
 NAME = re.compile(r"[^\W_][\w.:@+-]*")  # the store's rule (letters, digits, . _ : @ + -), checked here first
@@ -46,6 +46,13 @@ class Tenant:
         if not stored.startswith(self.prefix):
             return None
         return stored[len(self.prefix):]  # the owner (no prefix) sees every session of the store
+
+    def info(self, store, name: str, what: str = "session"):
+        """The SessionInfo of this tenant's session `name`; 404 (`what` not found) for any other."""
+        try:
+            return store.info(self.stored(name))
+        except (errors.SessionNotFound, errors.InvalidName):
+            raise not_found(what, name) from None
 
 
 OWNER = Tenant("owner", "")

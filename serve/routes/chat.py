@@ -1,149 +1,36 @@
 """POST /v1/chat/completions: OpenAI's chat API on stored sessions.
 
 A request that names a session (`X-Session-Id`, or `session` in the body) continues it: the
-client resends the whole history, the engine feeds only what is new (`jobs.plan`). A request that
-names none runs in a session of its own, `chatcmpl-...`, deleted once the reply is delivered (kept
-when the stream broke, so that `Last-Event-ID` can finish it).
+client resends the whole history, the engine feeds only what is new (`jobs.plan`). The rest (the
+session of a request that names none, the streams, `Last-Event-ID`) is `answers.py`'s.
 """
 
 from __future__ import annotations
 
-import time
-import uuid
-from typing import Any, AsyncIterator
+from typing import Any
 
 from fastapi import APIRouter, Depends, Header, Request
-from fastapi.responses import JSONResponse
-from sse_starlette import ServerSentEvent
 
-from ..deps import service, tenant
-from ..failures import ApiError
+from ..deps import tenant
 from ..protocol import ChatRequest
-from ..service import Run
-from ..streams import event_stream, chained, data, event_id, first_events, parse_last_event_id, trace_line, usage
+from ..streams import usage
 from ..tenants import Tenant
+from .answers import Reply, answer
 
 router = APIRouter()
-
-
-def session_of(body_session: str | None, header: str | None, resume, own_name: str) -> tuple[str, bool]:
-    """(the session's public name, whether this request made it up)."""
-    named = body_session or header
-    if named and resume and resume.session != named:
-        raise ApiError(400, f"Last-Event-ID names session {resume.session!r}, the request {named!r}",
-                       param="Last-Event-ID", code="invalid_value")
-    if named:
-        return named, False
-    if resume:
-        return resume.session, True
-    return own_name, True
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatRequest, request: Request, who: Tenant = Depends(tenant),
                            x_session_id: str | None = Header(None), last_event_id: str | None = Header(None)):
-    svc = service(request)
-    svc.check_model(body.model)
-    resume = parse_last_event_id(last_event_id)
-    request_id = uuid.uuid4().hex[:24]
-    public, own = session_of(body.session, x_session_id, resume, f"chatcmpl-{request_id}")
-    spec: dict[str, Any] = {
-        "kind": "chat", "session": who.stored(public), "messages": body.plain_messages(),
-        "max_tokens": svc.max_tokens(body.limit()), "stop": body.stop, "sampling": body.sampler(),
-        "create": svc.new_session_settings(body.seed, body.sampler()), "seed": body.seed}
-    if resume:
-        spec.update(after=resume.after, reply_start=resume.start)
-    run = Run(spec, who, public, id=request_id, route="chat.completions")
-    events = svc.run(run)
-    first = await first_events(events)
-    reply = ChatReply(run, svc.model_id, body.kvstore_trace, first)
-    if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return event_stream(reply.stream(chained(first, events), include_usage, svc if own else None,
-                                                resumed=resume is not None), svc.config.keep_alive)
-    async for event in chained(first, events):
-        reply.take(event)
-    if own:
-        await svc.drop_session(spec["session"])
-    return JSONResponse(reply.whole())
-
-
-class Reply:
-    """The pieces of one reply as they come, and its two shapes: whole, or as server-sent chunks.
-    Subclasses give the shapes of their API (`ChatReply` here, `completions.CompletionReply`)."""
-
-    prefix = "chatcmpl"
-    object = "chat.completion.chunk"
-
-    def __init__(self, run: Run, model: str, trace: bool, first: list[dict[str, Any]] = ()):
-        self.run, self.model, self.trace = run, model, trace
-        self.id = f"{self.prefix}-{run.id}"
-        self.created = int(time.time())
-        self.text: list[str] = []
-        self.lines: list[dict[str, Any]] = []
-        self.start: int | None = run.spec.get("reply_start")  # else the first token's position, when known
-        if self.start is None:
-            self.start = next((e["position"] for e in first if e["event"] == "token"), None)
-        self.end: dict[str, Any] | None = None
-
-    def take(self, event: dict[str, Any]) -> str:
-        """Record an event; the text it adds."""
-        kind = event["event"]
-        if kind == "token":
-            if self.start is None:
-                self.start = event["position"]
-            self.lines.append(trace_line(event))
-        elif kind == "end":
-            self.end = event
-        else:
-            return ""
-        self.text.append(event["text"])
-        return event["text"]
-
-    def extras(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"session": self.run.public, "context": self.run.context}
-        if self.trace:
-            out["trace"] = self.lines
-        return out
-
-    def head(self, **fields) -> dict[str, Any]:
-        return {"id": self.id, "object": self.object, "created": self.created, "model": self.model, **fields}
-
-    def opening(self) -> list[dict[str, Any]]:
-        return []
-
-    def piece(self, text: str, finish: str | None = None, **extra) -> dict[str, Any]:
-        raise NotImplementedError
-
-    async def stream(self, events: AsyncIterator[dict[str, Any]], include_usage: bool, drop, *,
-                     resumed: bool = False) -> AsyncIterator[ServerSentEvent]:
-        """The reply as server-sent events; an error once the stream has begun is an
-        `{"error": ...}` event, as OpenAI sends it, and ends the stream."""
-        public = self.run.public
-        for chunk in [] if resumed else self.opening():  # its id: the reply's start, nothing received yet
-            yield ServerSentEvent(data(chunk), id=event_id(public, self.start, (self.start or 0) - 1))
-        try:
-            async for event in events:
-                text = self.take(event)
-                if event["event"] == "token" and (text or self.trace):
-                    extra = {"kvstore": {"trace": [trace_line(event)]}} if self.trace else {}
-                    yield ServerSentEvent(data(self.piece(text, **extra)),
-                                          id=event_id(public, self.start, event["position"]))
-        except ApiError as e:
-            yield ServerSentEvent(data(e.body()))
-            return
-        end = self.end
-        yield ServerSentEvent(data(self.piece(end["text"], end["finish_reason"], kvstore={"session": public})),
-                              id=event_id(public, self.start, "end"))
-        done = event_id(public, self.start, "end")
-        if include_usage:
-            yield ServerSentEvent(data(self.head(choices=[], usage=usage(end))), id=done)
-        yield ServerSentEvent("[DONE]", id=done)
-        if drop is not None:
-            await drop.drop_session(self.run.spec["session"])
+    return await answer(request, body, who, x_session_id, last_event_id, reply_class=ChatReply,
+                        route="chat.completions", job={"kind": "chat", "messages": body.plain_messages()})
 
 
 class ChatReply(Reply):
+    prefix = "chatcmpl"
+    object = "chat.completion.chunk"
+
     def whole(self) -> dict[str, Any]:
         end = self.end
         return self.head(object="chat.completion", choices=[

@@ -16,10 +16,9 @@ from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import FileResponse, JSONResponse
 from starlette.background import BackgroundTask
 
-from kvstore import errors
 
 from ..deps import service, tenant
-from ..failures import ApiError, from_library, not_found
+from ..failures import ApiError, from_library
 from ..protocol import ForkRequest, SessionCreate
 from ..tenants import Tenant
 
@@ -41,10 +40,7 @@ def described(info, who: Tenant) -> dict[str, Any]:
 
 
 def info_of(request: Request, who: Tenant, name: str):
-    try:
-        return store(request).info(who.stored(name))
-    except (errors.SessionNotFound, errors.InvalidName):
-        raise not_found("session", name) from None
+    return who.info(store(request), name)
 
 
 @router.get("")

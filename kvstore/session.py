@@ -163,10 +163,15 @@ class Session:
     def finish_prefill(self, *, progress: Progress | None = None) -> None:
         """Feed the pending tokens (a prefill that was killed, say), a checkpoint after each chunk."""
         total = len(self.seq.tokens)
-        for done in self.seq.prefill():
-            self.checkpoint("prefill")
+        for done in self._fed_chunks():
             if progress is not None:
                 progress(done, total)
+
+    def _fed_chunks(self) -> Iterator[int]:
+        """Feed the pending tokens a chunk at a time, a checkpoint after each; yields the cache length."""
+        for done in self.seq.prefill():
+            self.checkpoint("prefill")
+            yield done
 
     # -- generation ------------------------------------------------------------------------------
     def generate(self, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, *, trace=None, stop: tuple[str, ...] = (),
@@ -244,8 +249,7 @@ class Session:
     def _prefill_steps(self) -> Iterator[str]:
         """`finish_prefill`, as part of a reply's generator: with `prefill_yields`, an empty piece
         after each chunk, so that a scheduler running several sessions can interleave them."""
-        for _ in self.seq.prefill():
-            self.checkpoint("prefill")
+        for _ in self._fed_chunks():
             if self.prefill_yields:
                 yield ""
 

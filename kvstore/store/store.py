@@ -209,18 +209,6 @@ class Store:
             parent = self.row(db, name)
             fork_rows(db, parent, new_name, at)
 
-    def rename(self, name: str, new_name: str) -> None:
-        """Give a session another name; SessionBusy while a writer has it open."""
-        with self.db() as db:
-            row = self.row(db, name)
-        lock = SessionLock(self.session_dir(row.id), name).acquire()
-        try:
-            with self.db() as db, db.begin():
-                claim_name(db, new_name)
-                db.execute(update(SessionRow).where(SessionRow.id == row.id).values(name=new_name))
-        finally:
-            lock.release()
-
     def supersede(self, name: str, by: str, keep_as: str) -> None:
         """In one transaction: session `name` becomes `keep_as`, and session `by` takes the name
         `name` (a conversation moved onto a new branch); SessionBusy while a writer has either open."""

@@ -64,6 +64,16 @@ def reference_run(home: Path, model, name: str, n_new: int, trace: Path, *, seed
     return tokens
 
 
+def closed_and_reopened(store, s, model, n_new: int, trace: Path) -> tuple[list[int], list[dict]]:
+    """Generate a third of `n_new` tokens, close the session, reopen it in this process and generate
+    the rest: (its tokens, the trace lines of both parts), to compare with an uninterrupted run."""
+    list(s.generate(n_new // 3, trace=trace, stop_at_eos=False))
+    s.close()
+    with store.open(s.name, model) as s:
+        list(s.generate(n_new - n_new // 3, trace=trace, stop_at_eos=False))
+        return s.tokens, read_trace(trace)
+
+
 def assert_matches(reference, tokens, trace_lines):
     """Contract C1: `tokens` and every traced line equal the uninterrupted run's (tokens, lines by position)."""
     ref_tokens, ref_lines = reference

@@ -49,12 +49,7 @@ def new_session(home, model, name="s"):
 
 def test_close_and_reopen_equals_uninterrupted(tmp_path, model, reference):
     store, s = new_session(tmp_path / "home", model)
-    trace = tmp_path / "t.jsonl"
-    list(s.generate(N_NEW // 3, trace=trace, stop_at_eos=False))
-    s.close()
-    with store.open("s", model) as s:
-        list(s.generate(N_NEW - N_NEW // 3, trace=trace, stop_at_eos=False))
-        H.assert_matches(reference, s.tokens, H.read_trace(trace))
+    H.assert_matches(reference, *H.closed_and_reopened(store, s, model, N_NEW, tmp_path / "t.jsonl"))
 
 
 def test_resume_in_a_new_process(tmp_path, model_path, model, reference):

@@ -40,11 +40,16 @@ if kill -9 "$pid" 2>/dev/null; then
 else
     echo "   (the run finished before it could be killed; the comparison below still holds)"
 fi
-"$KVSTORE" show "$RUN" | grep -E '^(tokens|checkpoints|interrupted):' | sed 's/^/   /'
+shown="$("$KVSTORE" show "$RUN")"
+grep -E '^(tokens|checkpoints|interrupted):' <<<"$shown" | sed 's/^/   /'
 
-echo "== 3. kvstore continue: finish the killed generation from its last checkpoint"
-"$KVSTORE" continue "$RUN" --trace "$WORK/crash.jsonl" </dev/null >/dev/null
-echo "   trace lines: $(lines "$WORK/crash.jsonl") (tokens after the last checkpoint appear twice)"
+if grep -q '^interrupted:' <<<"$shown"; then
+    echo "== 3. kvstore continue: finish the killed generation from its last checkpoint"
+    "$KVSTORE" continue "$RUN" --trace "$WORK/crash.jsonl" </dev/null >/dev/null
+    echo "   trace lines: $(lines "$WORK/crash.jsonl") (tokens after the last checkpoint appear twice)"
+else  # the kill landed after the last token (a fast model): there is nothing to finish
+    echo "== 3. nothing to finish: the generation ended before the kill (try a larger N)"
+fi
 
 echo "== 4. compare"
 awk '!seen[$0]++' "$WORK/crash.jsonl" >"$WORK/crash.dedup.jsonl"

@@ -175,10 +175,11 @@ def smollm2_path() -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2(smollm2_path):
-    """Our SmolLM2, float32 (the reference comparisons need it)."""
+    """Our SmolLM2, float32, its weights dequantized (the reference comparisons need it: transformers
+    reads the GGUF dequantized)."""
     import kvstore
 
-    return kvstore.load_model(smollm2_path, dtype="float32")
+    return kvstore.load_model(smollm2_path, dtype="float32", weights="dense")
 
 
 @pytest.fixture(scope="session")

@@ -22,7 +22,9 @@ ARCHS = list(SPECS)
 
 
 def ours(path, dtype="float32"):
-    return kvstore.load_model(path, dtype=dtype)
+    """Dense weights: these tests hold the dequantizer and the forward to transformers' (the stored,
+    block-quantized path has its own tests: tests/test_quant.py)."""
+    return kvstore.load_model(path, dtype=dtype, weights="dense")
 
 
 @pytest.mark.parametrize("name", ARCHS)

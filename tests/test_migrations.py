@@ -50,8 +50,9 @@ def test_a_store_at_the_first_revision_opens_after_the_upgrade(tmp_path, tiny):
     engine.dispose()
     upgraded = kvstore.open_store(tmp_path)  # migrates 0001 -> head
     with upgraded.engine.connect() as conn:
-        assert MigrationContext.configure(conn).get_current_revision() == "0005"
+        assert MigrationContext.configure(conn).get_current_revision() == "0006"
     assert upgraded.info("old").n_cached == len(tokens) - 1  # 0004's downgrade left the last token pending
+    assert upgraded.info("old").weights == "dense"  # 0006: every session from before had dense weights
     with upgraded.open("old", model) as s:
         assert s.tokens == tokens
     assert upgraded.pack("old")["extents"] >= 1  # the new tables work
@@ -89,6 +90,26 @@ def test_0005_indexes_the_parent_of_forks_so_a_page_finds_its_forks_without_a_sc
     with engine.connect() as conn:
         assert compare_metadata(MigrationContext.configure(conn), index.Base.metadata) == []
     engine.dispose()
+
+
+def test_0006_records_how_a_session_held_its_weights_and_older_ones_held_them_dense(tmp_path, tiny):
+    from engine_models import Q
+
+    path, _ = tiny("llama-gqa").gguf(Q.Q8_0)
+    store = kvstore.open_store(tmp_path)
+    store.create("q8", kvstore.load_model(path, weights="stored"))
+    store.create("dense", kvstore.load_model(path, weights="dense"))
+    store.close()
+    url = f"sqlite:///{tmp_path / 'kvstore.db'}"
+    downgrade(url, "0005")
+    engine = index.make_engine(url)
+    with engine.connect() as conn:
+        assert "weights" not in {r[1] for r in conn.execute(text("PRAGMA table_info(sessions)"))}
+    engine.dispose()
+    store = kvstore.open_store(tmp_path)  # back to head
+    assert (store.info("q8").weights, store.info("dense").weights) == ("dense", "dense")
+    with store.engine.connect() as conn:
+        assert compare_metadata(MigrationContext.configure(conn), index.Base.metadata) == []
 
 
 def test_a_store_from_a_newer_kvstore_is_refused(tmp_path):

@@ -138,11 +138,13 @@ def test_32_greedy_tokens_equal_transformers_generate(smollm2, hf_smollm2):
     assert ours == out[0, len(ids):].tolist()
 
 
-def test_bfloat16_prefers_the_same_tokens_as_float32(smollm2, smollm2_path):
+@pytest.mark.parametrize("weights", ["dense", "stored"])
+def test_bfloat16_prefers_the_same_tokens_as_float32(smollm2, smollm2_path, weights):
+    """Dense bfloat16 weights, and the GGUF's own Q4_1/Q8_0 blocks with 8-bit activation blocks."""
     import kvstore
 
-    bf16 = kvstore.load_model(smollm2_path)
-    assert bf16.dtype == torch.bfloat16
+    bf16 = kvstore.load_model(smollm2_path, weights=weights)
+    assert bf16.dtype == torch.bfloat16 and bf16.weights == weights
     ids = prompt_ids(bf16.tokenizer, 64)
     agree = (bf16.logits(ids).argmax(-1) == smollm2.logits(ids).argmax(-1)).float().mean()
     assert agree > 0.9

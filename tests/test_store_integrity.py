@@ -122,6 +122,29 @@ def test_another_dtype_is_a_model_mismatch(saved, model_path):
         saved.open("s", kvstore.load_model(model_path, dtype="float32"))
 
 
+def test_weights_held_another_way_are_a_model_mismatch_and_a_fork_may_switch(tmp_path, tiny):
+    """C6: a session made on a GGUF's stored blocks continues only on them (other bits), found by
+    itself when no model is given; a fork may ask to go on with dense weights instead."""
+    from engine_models import Q
+
+    path, _ = tiny("llama-gqa").gguf(Q.Q8_0)
+    stored, dense = kvstore.load_model(path, weights="stored"), kvstore.load_model(path, weights="dense")
+    store = kvstore.open_store(tmp_path / "home")
+    with store.new("q", stored, seed=1) as s:
+        s.append_text(H.DOCUMENT[:200])
+        tokens = list(s.tokens)
+    with pytest.raises(ModelMismatch, match="weights held 'stored'.*holds them 'dense'.*weights='stored'"):
+        store.open("q", dense)
+    with store.open("q") as s:  # the session's own way, found from its record
+        assert s.model.weights == "stored" and s.tokens == tokens
+    store.fork("q", "q-dense", weights="dense")
+    assert store.info("q-dense").weights == "dense"
+    with store.open("q-dense", dense) as s:
+        assert s.tokens == tokens
+    with pytest.raises(kvstore.errors.InvalidArgument, match="use one of"):
+        store.fork("q", "q-bad", weights="int4")
+
+
 def test_the_model_is_found_from_the_session_when_not_given(saved):
     with saved.open("s") as s:
         assert len(s.tokens) == saved.info("s").n_tokens

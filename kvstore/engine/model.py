@@ -1,10 +1,12 @@
 """`load_model(spec)`: a ready-to-run Model (config, tokenizer, fingerprint, forward).
 
 `spec` is an alias of a default model (`smollm2`, pulled on first use), a `.gguf` file or a
-Hugging Face folder. Weights load into `dtype` (bfloat16 by default) on `device`, through the
-architecture's module (`models`). A GGUF file is parsed and dequantized once per dtype; later loads
-read the result from the per-user models folder (`weight_cache`). `load_tokenizer(spec)` reads
-only the tokenizer (the weights stay on disk).
+Hugging Face folder. Activations and the KV cache are `dtype` (bfloat16 by default), on `device`.
+The weight matrices are held as `weights` says (defaults.WEIGHT_FORMATS): a GGUF file's Q4_0 / Q4_1 /
+Q8_0 blocks as stored (`quant`: the native integer kernels multiply them), dequantized into `dtype`,
+or quantized to Q8_0 on load; `Model.weights` says which it got (a session records it: C6). A GGUF
+file is parsed (and dequantized) once per dtype and format; later loads read the result from the
+per-user models folder (`weight_cache`). `load_tokenizer(spec)` reads only the tokenizer.
 """
 
 from __future__ import annotations
@@ -18,9 +20,9 @@ from typing import Sequence
 
 import torch
 
-from ..defaults import DEFAULT_DTYPE, DTYPE_NAMES
+from ..defaults import DEFAULT_DTYPE, DTYPE_NAMES, WEIGHT_FORMATS
 from ..errors import ModelError, UnsupportedModel
-from . import native, weight_cache
+from . import native, quant, weight_cache
 from . import tokenizer as tok
 from .cache import KVCache
 from .config import ModelConfig
@@ -42,6 +44,7 @@ class Model:
     device: torch.device
     source: str
     net: object  # the architecture's Net (models/llama.py, models/gpt2.py)
+    weights: str = "dense"  # how its matrices are held: defaults.WEIGHT_FORMATS
 
     @property
     def dtype_name(self) -> str:
@@ -92,23 +95,45 @@ class Model:
 
 
 def load_model(spec: str | os.PathLike, dtype: str | torch.dtype | None = None, device: str = "cpu",
-               home: str | os.PathLike | None = None) -> Model:
+               home: str | os.PathLike | None = None, weights: str | None = None) -> Model:
     """An alias (`smollm2`), a `.gguf` file or a Hugging Face folder -> Model. `home` only matters for
-    an alias not pulled yet: a store home from before may hold its file (`pull`)."""
+    an alias not pulled yet: a store home from before may hold its file (`pull`). `weights`: see the
+    module's docstring (None: "stored" where the native quantized kernels run, else "dense")."""
     dt = _dtype(dtype)
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ModelError("device 'cuda' asked for, but CUDA is not available here; use --device cpu")
+    wanted = _weights(weights, dev)
     path = model_path(spec, home)
     cache_file = models_dir() / "fingerprints.json"
     if path.is_file():
-        cfg, tokenizer, weights, fp = _read_gguf(path, dt, cache_file)
+        cfg, tokenizer, tensors, fp = _read_gguf(path, dt, wanted == "stored", cache_file)
     else:
-        cfg, tokenizer, weights, fp = _read_hf(path, dt, cache_file)
-    weights = {k: v.to(dev) for k, v in weights.items()}
+        cfg, tokenizer, tensors, fp = _read_hf(path, dt, cache_file)
+    if wanted == "q8_0":
+        tensors = {k: _q8_0(t) for k, t in tensors.items()}
+    held = wanted if any(isinstance(t, quant.Blocks) for t in tensors.values()) else "dense"
+    tensors = {k: v.to(dev) for k, v in tensors.items()}
     if dt == torch.bfloat16 and dev.type == "cpu":
         native.kernels()  # settle the kernels now: a first build on this machine belongs to loading
-    return Model(cfg, tokenizer, fp, dt, dev, str(path), architecture(cfg).Net(cfg, weights))
+    return Model(cfg, tokenizer, fp, dt, dev, str(path), architecture(cfg).Net(cfg, tensors), held)
+
+
+def _weights(weights: str | None, dev: torch.device) -> str:
+    if weights is None:
+        return "stored" if dev.type == "cpu" and native.quant() is not None else "dense"
+    if weights not in WEIGHT_FORMATS:
+        raise ModelError(f"weights {weights!r}: use one of {', '.join(WEIGHT_FORMATS)}")
+    return weights
+
+
+def _q8_0(t):
+    """A matrix (2-D, rows a multiple of 32 wide) as Q8_0 blocks, from its values; anything else as it is."""
+    if isinstance(t, quant.Blocks):
+        t = t.dequantize(torch.float32)
+    if t.dim() != 2 or t.shape[1] % quant.BLOCK:
+        return t
+    return quant.quantize_q8_0(t)
 
 
 def load_tokenizer(spec: str | os.PathLike, home: str | os.PathLike | None = None) -> tok.Tokenizer:
@@ -152,13 +177,14 @@ def _naming(path: Path):
         raise UnsupportedModel(f"{path}: {e}") from e
 
 
-def _read_gguf(path: Path, dtype: torch.dtype, cache_file: Path):
-    """A GGUF file: parsed and dequantized once, then read from the weight cache (see weight_cache)."""
+def _read_gguf(path: Path, dtype: torch.dtype, stored: bool, cache_file: Path):
+    """A GGUF file: parsed (and dequantized) once, then read from the weight cache (see weight_cache).
+    `stored`: the matrices of kinds in `quant.KINDS` stay `quant.Blocks`."""
     source_hash = file_hash(path, cache_file)
-    entry = weight_cache.entry_path(cache_file.parent, path, dtype, source_hash)
+    entry = weight_cache.entry_path(cache_file.parent, path, dtype, source_hash, stored)
     hit = weight_cache.load(entry, dtype, source_hash)
     if hit is None:
-        cfg, tokenizer, weights, info = _convert_gguf(path, dtype)
+        cfg, tokenizer, weights, info = _convert_gguf(path, dtype, stored)
         weight_cache.save(entry, weights, dtype, source_hash, info)
     else:
         weights, info = hit
@@ -169,7 +195,7 @@ def _read_gguf(path: Path, dtype: torch.dtype, cache_file: Path):
     return cfg, tokenizer, weights, model_fingerprint(cfg.to_dict(), table, [path], cache_file)
 
 
-def _convert_gguf(path: Path, dtype: torch.dtype):
+def _convert_gguf(path: Path, dtype: torch.dtype, stored: bool):
     """(config, tokenizer, our tensors, what the weight cache keeps besides the tensors)."""
     reader = open_gguf(path)
     meta = gguf_metadata(reader)
@@ -177,8 +203,12 @@ def _convert_gguf(path: Path, dtype: torch.dtype):
     with _naming(path):
         cfg = config_from_gguf(meta, set(tensors))
         tokenizer = tok.from_gguf(meta)
-    weights = collect(cfg, architecture(cfg), GGUF, lambda name, dt: dequantize_gguf(tensors[name], dt), set(tensors),
-                      dtype, str(path))
+
+    def fetch(name: str, dt: torch.dtype):
+        blocks = quant.from_gguf(tensors[name]) if stored else None
+        return blocks if blocks is not None else dequantize_gguf(tensors[name], dt)
+
+    weights = collect(cfg, architecture(cfg), GGUF, fetch, set(tensors), dtype, str(path))
     info = {"config": cfg.to_dict(),
             "table": [(t.name, [int(n) for n in t.shape], t.tensor_type.name) for t in tensors.values()],
             "tokenizer": {k: v for k, v in meta.items() if k.startswith("tokenizer.")}}

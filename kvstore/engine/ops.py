@@ -1,8 +1,14 @@
-"""The Llama forward's row-wise operations, each decided in one place: kvstore's native bfloat16
-kernel where this process has one (`kvstore.native`), torch's ops otherwise.
+"""The forward's row-wise operations, each decided in one place: kvstore's native kernel where this
+process has one (`kvstore.native`), torch's ops otherwise.
 
 - `matvec(w, x, b)` = w @ x (+ b) and `add_matvec(x, w, y, b)` = x + w @ y (+ b): one token's
-  products, vectors `[in]` -> `[out]`.
+  products, vectors `[in]` -> `[out]`. `linear(x, w, b)` and `add_linear(x, y, w, b)` are the same
+  for rows `[T, in]` (one row takes the vector kernels); `project` is `linear` without that case
+  (GPT-2's products, always the matrix kernel). `embed(ids, w)` reads embedding rows.
+- Weights are dense tensors or `quant.Packed` block-quantized matrices. A packed one always takes the
+  quantized product (`native.quant()`'s kernel, else `quant_reference`, the same bits), for any T:
+  its rows never depend on the other rows, so a token computes alike alone, in a chunk or in a batch;
+  a residual added to it (`add_*`) is fused into its one rounding.
 - `rms_norm(x, weight2, eps)`: RMSNorm of rows `[..., hidden]` times the weight, float32 inside and
   rounded once; `weight2` is the weight twice over (`[2 hidden]`, see `_torch_rms_norm`).
   `vector_norm(like, eps)` is the same for one vector, for the decode loop.
@@ -22,18 +28,67 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from . import native
+from . import native, quant_reference
+from .quant import KINDS, Packed
+
+Weight = "torch.Tensor | Packed"
 
 
-def matvec(w: torch.Tensor, x: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+def qgemm(w: Packed, x: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
+    """x `[T, in]` @ w.T (+ add: `[out]` or `[T, out]`), w block-quantized, in x's dtype."""
+    k = native.quant() if x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float32) else None
+    if k is None:
+        return quant_reference.qgemm(w, x, add)
+    return k.qgemm(w.data, KINDS[w.kind], w.rows, w.cols, x, add, -1)
+
+
+def linear(x: torch.Tensor, w: Weight, b: torch.Tensor | None = None) -> torch.Tensor:
+    """x `[T, in]` @ w.T (+ b). One dense row takes the matrix-vector kernel (`matvec`: memory-bound;
+    the generic matmul path is slower at T=1 here). Which kernel runs depends on T alone, never on history."""
+    if isinstance(w, Packed):
+        return qgemm(w, x, b)
+    if x.shape[0] == 1:
+        return matvec(w, x[0], b)[None]
+    return F.linear(x, w, b)
+
+
+def add_linear(x: torch.Tensor, y: torch.Tensor, w: Weight, b: torch.Tensor | None) -> torch.Tensor:
+    """The residual step x + y @ w.T (+ b), fused into one kernel where there is no bias."""
+    if isinstance(w, Packed):
+        return qgemm(w, y, x) if b is None else x + qgemm(w, y, b)
+    if x.shape[0] == 1:
+        return add_matvec(x[0], w, y[0], b)[None]
+    return torch.addmm(x, y, w.t()) if b is None else x + F.linear(y, w, b)
+
+
+def project(x: torch.Tensor, w: Weight, b: torch.Tensor | None = None) -> torch.Tensor:
+    """x `[T, in]` @ w.T (+ b) with the matrix kernel for every T (dense) or the quantized product."""
+    return qgemm(w, x, b) if isinstance(w, Packed) else F.linear(x, w, b)
+
+
+def embed(ids: torch.Tensor, w: Weight, dtype: torch.dtype) -> torch.Tensor:
+    """Rows `ids` `[T]` of an embedding table -> `[T, hidden]` in `dtype`."""
+    if not isinstance(w, Packed):
+        return F.embedding(ids, w)
+    k = native.quant() if w.data.device.type == "cpu" and dtype in (torch.bfloat16, torch.float32) else None
+    if k is None:
+        return w.embed(ids, dtype)
+    return k.qembed(w.data, KINDS[w.kind], w.rows, w.cols, ids, dtype)
+
+
+def matvec(w: Weight, x: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    if isinstance(w, Packed):
+        return qgemm(w, x[None], b)[0]
     k = _native(w)
     if k is not None:
         return k.gemv(w, x, b)
     return torch.mv(w, x) if b is None else torch.addmv(b, w, x)
 
 
-def add_matvec(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+def add_matvec(x: torch.Tensor, w: Weight, y: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     """The residual step of one token: one kernel where there is no bias."""
+    if isinstance(w, Packed):
+        return add_linear(x[None], y[None], w, b)[0]
     k = _native(w)
     if k is not None:
         return k.gemv(w, y, x) if b is None else x + k.gemv(w, y, b)

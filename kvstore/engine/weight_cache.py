@@ -7,8 +7,11 @@ tensors `weights.collect` returns: our names, sanitized, in the chosen dtype) is
 `models/cache/<file stem>-<dtype>-<key>.safetensors`, with what else a load needs in its header:
 the config, the tokenizer's GGUF metadata and the source's tensor table (for the fingerprint).
 
-The key hashes the format version, the kvstore version, the dtype and the source file's content
-hash (`fingerprint.file_hash`, cached by path, size and mtime), so a changed file or a new converter
+A file's block-quantized matrices kept as stored (`quant.Blocks`) are entries of their own: their raw
+block bytes as uint8 tensors, with each one's kind and width in the header (`info["blocks"]`).
+
+The key hashes the format version, the kvstore version, the dtype, whether blocks are kept, and the
+source file's content hash (`fingerprint.file_hash`, cached by path, size and mtime), so a changed file or a new converter
 never meets a stale entry. Entries are written whole (`fileio.atomic_write`: temp file, fsync,
 rename), so two processes converting at once each leave a complete entry, and read through a memory map (safetensors: no pickle). A damaged, foreign or mismatched entry is a
 miss, rewritten by the next load; a folder that cannot be written only costs the slow path.
@@ -27,14 +30,16 @@ import xxhash
 
 from ..defaults import VERSION
 from ..fileio import PLAIN, atomic_write
+from .quant import Blocks
 
 FORMAT = "1"
 MAGIC = "kvstore.converted-weights"
 
 
-def entry_path(models: Path, source: Path, dtype: torch.dtype, source_hash: str) -> Path:
-    key = xxhash.xxh3_64(f"{FORMAT}|{VERSION}|{dtype}|{source_hash}".encode()).hexdigest()
-    return models / "cache" / f"{source.stem}-{_dtype_name(dtype)}-{key}.safetensors"
+def entry_path(models: Path, source: Path, dtype: torch.dtype, source_hash: str, stored: bool = False) -> Path:
+    key = xxhash.xxh3_64(f"{FORMAT}|{VERSION}|{dtype}|{stored}|{source_hash}".encode()).hexdigest()
+    kind = "-stored" if stored else ""
+    return models / "cache" / f"{source.stem}-{_dtype_name(dtype)}{kind}-{key}.safetensors"
 
 
 def load(path: Path, dtype: torch.dtype, source_hash: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:
@@ -55,18 +60,21 @@ def load(path: Path, dtype: torch.dtype, source_hash: str) -> tuple[dict[str, to
             return None
         info = json.loads(header["info"])
         tensors = {name: t.clone() for name, t in load_file(str(path)).items()}
-    except (SafetensorError, OSError, ValueError, KeyError):
+        blocks = {name: Blocks(kind, tensors[name], int(cols)) for name, (kind, cols) in info.get("blocks", {}).items()}
+    except (SafetensorError, OSError, ValueError, KeyError, TypeError):
         return None
-    if any(t.dtype != dtype for name, t in tensors.items() if name != "rope_freqs"):
+    if any(t.dtype != dtype for name, t in tensors.items() if name != "rope_freqs" and name not in blocks):
         return None
-    return tensors, info
+    return tensors | blocks, info
 
 
-def save(path: Path, tensors: dict[str, torch.Tensor], dtype: torch.dtype, source_hash: str,
-         info: dict[str, Any]) -> bool:
+def save(path: Path, tensors: dict[str, Any], dtype: torch.dtype, source_hash: str, info: dict[str, Any]) -> bool:
     """Write an entry atomically and drop older entries of the same file stem and dtype; best effort."""
     from safetensors.torch import save_file
 
+    blocks = {name: t for name, t in tensors.items() if isinstance(t, Blocks)}
+    info = info | {"blocks": {name: [b.kind, b.cols] for name, b in blocks.items()}}
+    tensors = tensors | {name: b.raw for name, b in blocks.items()}
     try:
         text = json.dumps(info)
     except (TypeError, ValueError):  # metadata of a kind JSON cannot hold: keep converting each time

@@ -98,7 +98,7 @@ def _commit(store, plan: dict[str, Any], name: str, session_id: str, written: li
             db.add(ModelRow(fingerprint=m["fingerprint"], arch=m["arch"], config=m["config"], source=m["source"]))
             db.flush()
         add_session(db, session_id=session_id, name=name, model_fingerprint=m["fingerprint"], dtype=s["dtype"],
-                    kv_layout=s["kv_layout"], seed=s["seed"], sampler=s["sampler"], chunk_size=s["chunk_size"],
+                    weights=s.get("weights", "dense"), kv_layout=s["kv_layout"], seed=s["seed"], sampler=s["sampler"], chunk_size=s["chunk_size"],
                     checkpoint_every=s["checkpoint_every"], token_bytes=plan["token_bytes"], reason="import",
                     tokens=plan["tokens"], n_cached=s["n_cached"], active_call=s["active_call"],
                     last_hidden=bytes.fromhex(s["last_hidden"]) if s.get("last_hidden") else None,

@@ -79,6 +79,8 @@ class SessionRow(Base):
     name: Mapped[str] = mapped_column(Text, unique=True)
     model_fingerprint: Mapped[str] = mapped_column(ForeignKey("models.fingerprint"))
     dtype: Mapped[str] = mapped_column(String(16))
+    # how the model held its weight matrices: defaults.WEIGHT_FORMATS (0006)
+    weights: Mapped[str] = mapped_column(String(16), server_default="dense")
     kv_layout: Mapped[dict[str, Any]] = mapped_column(JSON)
     seed: Mapped[int] = mapped_column(BigInteger)
     sampler: Mapped[dict[str, Any]] = mapped_column(JSON)

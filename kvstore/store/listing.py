@@ -39,6 +39,7 @@ class SessionInfo:
     model: str
     model_source: str
     dtype: str
+    weights: str  # how the model held its weight matrices (defaults.WEIGHT_FORMATS)
     n_tokens: int
     n_cached: int
     checkpoints: int
@@ -108,7 +109,7 @@ def _rows_query():
     parent = aliased(SessionRow)
     checkpoints = (select(func.count()).select_from(CheckpointRow)
                    .where(CheckpointRow.session_id == SessionRow.id).scalar_subquery())
-    return (select(SessionRow.id, SessionRow.name, SessionRow.model_fingerprint, SessionRow.dtype,
+    return (select(SessionRow.id, SessionRow.name, SessionRow.model_fingerprint, SessionRow.dtype, SessionRow.weights,
                    SessionRow.n_tokens, SessionRow.n_cached, SessionRow.fork_position, SessionRow.seed,
                    SessionRow.sampler, SessionRow.chunk_size, SessionRow.checkpoint_every, SessionRow.active_call,
                    SessionRow.created_at, SessionRow.updated_at, ModelRow.source,
@@ -149,6 +150,7 @@ def _forks(db: DB, first: str, last: str) -> dict[str, list[str]]:
 def _info(r, forks: list[str]) -> SessionInfo:
     return SessionInfo(
         name=r.name, id=r.id, model=r.model_fingerprint, model_source=r.source or "", dtype=r.dtype,
+        weights=r.weights,
         n_tokens=r.n_tokens, n_cached=r.n_cached, checkpoints=r.checkpoints,
         disk_bytes=int(r.raw_bytes or 0) + int(r.packed_bytes or 0), parent=r.parent,
         fork_position=r.fork_position, forks=forks, seed=r.seed, sampler=dict(r.sampler),

@@ -19,6 +19,7 @@ import numpy as np
 from sqlalchemy import select
 from sqlalchemy.orm import Session as DB
 
+from ..defaults import WEIGHT_FORMATS
 from ..errors import CorruptData, InvalidArgument, InvalidName, SessionExists
 from .index import (CheckpointRow, MessageRow, ModelRow, SegmentRow, SessionExtentRow, SessionRow, TokenBlockRow,
                     utcnow)
@@ -63,7 +64,8 @@ def register_model(db: DB, model) -> None:
         db.flush()
 
 
-def add_session(db: DB, *, name: str, model_fingerprint: str, dtype: str, kv_layout: dict[str, Any], seed: int,
+def add_session(db: DB, *, name: str, model_fingerprint: str, dtype: str, weights: str, kv_layout: dict[str, Any],
+                seed: int,
                 sampler: dict[str, Any], chunk_size: int, checkpoint_every: int, token_bytes: int, reason: str,
                 tokens: list[int] = (), n_cached: int = 0, last_hidden: bytes | None = None,
                 active_call: dict[str, Any] | None = None, parent_id: str | None = None,
@@ -77,7 +79,7 @@ def add_session(db: DB, *, name: str, model_fingerprint: str, dtype: str, kv_lay
                               f"{checkpoint_every})")
     now = utcnow()
     row = SessionRow(id=session_id or uuid.uuid4().hex, name=name, model_fingerprint=model_fingerprint, dtype=dtype,
-                     kv_layout=kv_layout, seed=int(seed), sampler=sampler, chunk_size=chunk_size,
+                     weights=weights, kv_layout=kv_layout, seed=int(seed), sampler=sampler, chunk_size=chunk_size,
                      checkpoint_every=checkpoint_every, head=0, n_tokens=len(tokens), n_cached=n_cached,
                      last_hidden=last_hidden, active_call=active_call, parent_id=parent_id,
                      fork_position=fork_position, created_at=now, updated_at=now)
@@ -93,9 +95,13 @@ def add_session(db: DB, *, name: str, model_fingerprint: str, dtype: str, kv_lay
     return row
 
 
-def fork_rows(db: DB, parent: SessionRow, new_name: str, at: int | None) -> SessionRow:
+def fork_rows(db: DB, parent: SessionRow, new_name: str, at: int | None, weights: str | None = None) -> SessionRow:
     """Insert the child's rows (inside the caller's transaction); KV extents shared, tokens copied.
-    At the parent's head the child holds what the parent does; earlier, its last token is pending."""
+    At the parent's head the child holds what the parent does; earlier, its last token is pending.
+    `weights`: the child continues under another way of holding the model's weights (its own choice:
+    its KV up to the fork was computed under the parent's)."""
+    if weights is not None and weights not in WEIGHT_FORMATS:
+        raise InvalidArgument(f"weights {weights!r}: use one of {', '.join(WEIGHT_FORMATS)}")
     claim_name(db, new_name)
     n = parent.n_tokens if at is None else int(at)
     if not 1 <= n <= parent.n_tokens:
@@ -105,7 +111,7 @@ def fork_rows(db: DB, parent: SessionRow, new_name: str, at: int | None) -> Sess
     n_cached = n if at_head else min(parent.n_cached, n - 1)
     seg = db.get(SegmentRow, parent.id)
     child = add_session(db, name=new_name, model_fingerprint=parent.model_fingerprint, dtype=parent.dtype,
-                        kv_layout=parent.kv_layout, seed=parent.seed, sampler=parent.sampler,
+                        weights=weights or parent.weights, kv_layout=parent.kv_layout, seed=parent.seed, sampler=parent.sampler,
                         chunk_size=parent.chunk_size, checkpoint_every=parent.checkpoint_every,
                         token_bytes=seg.token_bytes, reason="fork", tokens=read_tokens(db, parent.id)[:n],
                         n_cached=n_cached, last_hidden=parent.last_hidden if at_head else None,

@@ -61,6 +61,10 @@ def check_model(db, row: SessionRow, model) -> None:
         source = stored.source if stored is not None else "?"
         problems.append(f"it was made with model {row.model_fingerprint[:12]} ({source}), this one is "
                         f"{model.fingerprint[:12]} ({model.source}): {what}")
+    if row.weights != model.weights:
+        problems.append(f"it was made with the weights held {row.weights!r} ({_HELD[row.weights]}) but this model "
+                        f"holds them {model.weights!r}: load it with weights={row.weights!r} (CLI: --weights "
+                        f"{row.weights}), or fork it with weights={model.weights!r} to go on that way")
     if row.dtype != model.dtype_name:
         problems.append(f"its KV is {row.dtype} but the model is loaded as {model.dtype_name} "
                         f"(load it with dtype={row.dtype})")
@@ -68,6 +72,10 @@ def check_model(db, row: SessionRow, model) -> None:
         problems.append(f"its KV layout is {row.kv_layout}, the model's is {kv_layout(model)}")
     if problems:
         raise ModelMismatch(f"session {row.name!r} cannot continue with this model: " + "; ".join(problems))
+
+
+_HELD = {"stored": "the file's quantized blocks, integer kernels", "dense": "dequantized",
+         "q8_0": "quantized to Q8_0 on load"}
 
 
 def stored_hidden(row: SessionRow, model):

@@ -93,7 +93,7 @@ class Store:
             claim_name(db, name, NEW_NAME_TAKEN.format(name=name))
             register_model(db, model)
             row = add_session(db, name=name, model_fingerprint=model.fingerprint, dtype=model.dtype_name,
-                              kv_layout=kv_layout(model), seed=seed, sampler=settings.to_dict(), chunk_size=chunk_size,
+                              weights=model.weights, kv_layout=kv_layout(model), seed=seed, sampler=settings.to_dict(), chunk_size=chunk_size,
                               checkpoint_every=checkpoint_every, token_bytes=token_bytes(model), reason="new")
             if system is not None:
                 db.add(MessageRow(session_id=row.id, ordinal=0, role="system", text=system, token_start=0,
@@ -119,7 +119,7 @@ class Store:
         with self.db() as db:
             row = self.row(db, name)
             model_row = db.get(ModelRow, row.model_fingerprint)
-        model = load_model(model_row.source, dtype=row.dtype, device=device, home=self.home)
+        model = load_model(model_row.source, dtype=row.dtype, device=device, home=self.home, weights=row.weights)
         if model.fingerprint != row.model_fingerprint:
             raise ModelMismatch(f"session {name!r} was made with model {row.model_fingerprint[:12]} loaded from "
                                 f"{model_row.source}, but that file now has fingerprint {model.fingerprint[:12]}; "
@@ -203,11 +203,13 @@ class Store:
                 "token_end": b} for a, b in gaps]
         return sorted(messages + raw, key=lambda e: (e["token_start"], e["token_end"]))
 
-    def fork(self, name: str, new_name: str, at: int | None = None) -> None:
-        """Create `new_name` from the first `at` tokens of `name` (all when None), sharing its KV on disk."""
+    def fork(self, name: str, new_name: str, at: int | None = None, *, weights: str | None = None) -> None:
+        """Create `new_name` from the first `at` tokens of `name` (all when None), sharing its KV on disk.
+        `weights`: the fork continues with the model's weights held another way (WEIGHT_FORMATS) than
+        its parent's: from the fork on it computes what that way computes on the parent's KV."""
         with self.db() as db, db.begin():
             parent = self.row(db, name)
-            fork_rows(db, parent, new_name, at)
+            fork_rows(db, parent, new_name, at, weights)
 
     def supersede(self, name: str, by: str, keep_as: str) -> None:
         """In one transaction: session `name` becomes `keep_as`, and session `by` takes the name

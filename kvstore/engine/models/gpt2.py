@@ -21,6 +21,8 @@ from ...errors import UnsupportedModel
 from ..attention import attend, causal_mask
 from ..cache import KVCache
 from ..config import ModelConfig, gguf_vocab
+from ..ops import embed, project
+from ..quant import dense, packed
 from ..weights import HF, per_layer
 
 HF_MODEL_TYPES = ("gpt2",)
@@ -123,18 +125,22 @@ def sanitize(cfg: ModelConfig, ours: str, t: torch.Tensor, kind: int) -> torch.T
 
 # -- the forward ---------------------------------------------------------------------------------------
 class GPT2:
-    def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor]):
+    def __init__(self, cfg: ModelConfig, w: dict[str, Any]):
+        """`w`: our names -> dense tensors (the model dtype) or `quant.Blocks` (packed here; the
+        position table is read by slices, so it is kept dense)."""
         self.cfg = cfg
-        self.w = w
-        self.lm_head = w["wte"] if cfg.tie_embeddings else w["lm_head"]
-        self.layers = [{k.split(".", 2)[2]: t for k, t in w.items() if k.startswith(f"layers.{i}.")}
+        self.dtype = w["ln_f.weight"].dtype
+        self.w = {k: packed(t) for k, t in w.items()}
+        self.w["wpe"] = dense(w["wpe"], self.dtype)
+        self.lm_head = self.w["wte"] if cfg.tie_embeddings else self.w["lm_head"]
+        self.layers = [{k.split(".", 2)[2]: t for k, t in self.w.items() if k.startswith(f"layers.{i}.")}
                        for i in range(cfg.n_layers)]
 
     def forward(self, ids: torch.Tensor, pos: int, cache: KVCache | None, *, last_only: bool) -> torch.Tensor:
         """Logits (float32) for `ids` `[T]` at positions pos..pos+T-1: `[T, vocab]`, or `[1, vocab]`."""
         if last_only:
             return self.head(self.feed(ids, pos, cache))[None]
-        return F.linear(self._final_norm(self._trunk(ids, pos, cache)), self.lm_head).float()
+        return project(self._final_norm(self._trunk(ids, pos, cache)), self.lm_head).float()
 
     def feed(self, ids: torch.Tensor, pos: int, cache: KVCache | None) -> torch.Tensor:
         """Write the K/V of `ids` `[T]`; the last one's final hidden state after `ln_f`: `[hidden]`."""
@@ -142,7 +148,7 @@ class GPT2:
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits `[vocab]` from a final hidden state `[hidden]` (`feed`'s)."""
-        return F.linear(hidden[None], self.lm_head).float()[0]  # as a [1, hidden] row, like a chunk's last
+        return project(hidden[None], self.lm_head).float()[0]  # as a [1, hidden] row, like a chunk's last
 
     def _final_norm(self, x: torch.Tensor) -> torch.Tensor:
         w = self.w
@@ -155,16 +161,16 @@ class GPT2:
         if pos + T > cfg.max_context:
             raise UnsupportedModel(f"GPT-2 has {cfg.max_context} learned positions; position {pos + T - 1} is past them")
         nh, hd, h_size = cfg.n_heads, cfg.head_dim, cfg.hidden_size
-        mask = causal_mask(pos, T, w["wte"].dtype, ids.device)
-        x = F.embedding(ids, w["wte"]) + w["wpe"][pos:pos + T]  # [T, hidden]
+        mask = causal_mask(pos, T, self.dtype, ids.device)
+        x = embed(ids, w["wte"], self.dtype) + w["wpe"][pos:pos + T]  # [T, hidden]
         for i, L in enumerate(self.layers):
             h = F.layer_norm(x, (h_size,), L["ln_1.weight"], L["ln_1.bias"], cfg.norm_eps)
-            qkv = F.linear(h, L["attn_qkv.weight"], L["attn_qkv.bias"]).view(T, 3, nh, hd)  # q | k | v per token
+            qkv = project(h, L["attn_qkv.weight"], L["attn_qkv.bias"]).view(T, 3, nh, hd)  # q | k | v per token
             o = attend(qkv[:, 0], qkv[:, 1:], cache, i, pos, mask)  # k | v: cache rows [T, 2, nh, hd]
-            x = x + F.linear(o, L["attn_out.weight"], L["attn_out.bias"])
+            x = x + project(o, L["attn_out.weight"], L["attn_out.bias"])
             h = F.layer_norm(x, (h_size,), L["ln_2.weight"], L["ln_2.bias"], cfg.norm_eps)
-            h = F.gelu(F.linear(h, L["fc.weight"], L["fc.bias"]), approximate="tanh")
-            x = x + F.linear(h, L["proj.weight"], L["proj.bias"])
+            h = F.gelu(project(h, L["fc.weight"], L["fc.bias"]), approximate="tanh")
+            x = x + project(h, L["proj.weight"], L["proj.bias"])
         return x
 
 

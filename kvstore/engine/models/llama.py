@@ -29,13 +29,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from ...errors import UnsupportedModel
 from ..attention import ONE_TOKEN, attend, causal_mask
 from ..cache import KVCache
 from ..config import ModelConfig, gguf_vocab
-from ..ops import add_matvec, matvec, rms_norm, rotate_, swiglu, vector_norm
+from ..ops import Weight, add_linear, add_matvec, embed, linear, matvec, rms_norm, rotate_, swiglu, vector_norm
+from ..quant import Blocks, fuse, packed
 from ..weights import GGUF, per_layer
 
 HF_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -185,11 +185,11 @@ def stored_shape(cfg: ModelConfig, ours: str, kind: int, shape: tuple[int, ...])
 
 def sanitize(cfg: ModelConfig, ours: str, t: torch.Tensor, kind: int) -> torch.Tensor:
     key = ours.rsplit(".", 1)[-1]
-    if kind == GGUF and cfg.variant != "qwen2":
-        if key in ("wq", "bq"):
-            return unpermute_rows(t, cfg.n_heads)
-        if key in ("wk", "bk"):
-            return unpermute_rows(t, cfg.n_kv_heads)
+    if kind == GGUF and cfg.variant != "qwen2" and key in ("wq", "bq", "wk", "bk"):
+        heads = cfg.n_heads if key in ("wq", "bq") else cfg.n_kv_heads
+        if isinstance(t, Blocks):  # rows are whole runs of blocks: they move as they are
+            return t.map_rows(lambda raw: unpermute_rows(raw, heads))
+        return unpermute_rows(t, heads)
     return t
 
 
@@ -204,14 +204,14 @@ def unpermute_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 @dataclass
 class Layer:
     attn_norm2: torch.Tensor  # the norm weights twice over: see rms_norm
-    wqkv: torch.Tensor  # [(n_heads + 2 n_kv_heads) head_dim, hidden]
+    wqkv: Weight  # [(n_heads + 2 n_kv_heads) head_dim, hidden]
     bqkv: torch.Tensor | None
-    wo: torch.Tensor
+    wo: Weight
     bo: torch.Tensor | None
     mlp_norm2: torch.Tensor
-    w_gate_up: torch.Tensor  # [2 ffn, hidden]
+    w_gate_up: Weight  # [2 ffn, hidden]
     b_gate_up: torch.Tensor | None
-    w_down: torch.Tensor
+    w_down: Weight
     b_down: torch.Tensor | None
 
 
@@ -241,20 +241,21 @@ def _llama3_scaled(inv: torch.Tensor, s: dict) -> torch.Tensor:
 
 
 class Llama:
-    def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor]):
+    def __init__(self, cfg: ModelConfig, w: dict[str, Any]):
+        """`w`: our names -> dense tensors (the model dtype) or `quant.Blocks` (packed here)."""
         self.cfg = cfg
-        self.embed = w["embed"]
+        self.dtype, self.device = w["norm"].dtype, w["norm"].device
+        self.embed = packed(w["embed"])
         self.norm2 = torch.cat([w["norm"], w["norm"]])
-        self.lm_head = w["embed"] if cfg.tie_embeddings else w["lm_head"]
+        self.lm_head = self.embed if cfg.tie_embeddings else packed(w["lm_head"])
         self.layers = [self._layer(w, i) for i in range(cfg.n_layers)]
-        self.inv_freq = inv_frequencies(cfg, w.get("rope_freqs")).to(self.embed.device)
+        self.inv_freq = inv_frequencies(cfg, w.get("rope_freqs")).to(self.device)
         self._rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    @staticmethod
-    def _layer(w: dict[str, torch.Tensor], i: int) -> Layer:
+    def _layer(self, w: dict[str, Any], i: int) -> Layer:
         p = f"layers.{i}."
-        get = lambda k: w.get(p + k)  # noqa: E731
-        cat = lambda *ks: torch.cat([w[p + k] for k in ks]) if all(p + k in w for k in ks) else None  # noqa: E731
+        get = lambda k: packed(w.get(p + k))  # noqa: E731
+        cat = lambda *ks: packed(fuse([w[p + k] for k in ks], self.dtype)) if all(p + k in w for k in ks) else None  # noqa: E731
         return Layer(attn_norm2=cat("attn_norm", "attn_norm"), wqkv=cat("wq", "wk", "wv"), bqkv=cat("bq", "bk", "bv"),
                      wo=get("wo"), bo=get("bo"), mlp_norm2=cat("mlp_norm", "mlp_norm"), w_gate_up=cat("w_gate", "w_up"),
                      b_gate_up=cat("b_gate", "b_up"), w_down=get("w_down"), b_down=get("b_down"))
@@ -279,7 +280,7 @@ class Llama:
         t = torch.arange(start, start + ROPE_BLOCK, dtype=torch.float32, device=self.inv_freq.device)
         freqs = torch.outer(t, self.inv_freq)  # [ROPE_BLOCK, hd/2]
         cos, sin = freqs.cos(), freqs.sin()
-        dtype = self.embed.dtype
+        dtype = self.dtype
         # rotate_half(x) * sin == cat(x2, x1) * cat(-sin, sin): fold the sign into the table
         return torch.cat([cos, cos], -1).to(dtype)[:, None], torch.cat([-sin, sin], -1).to(dtype)[:, None]
 
@@ -307,8 +308,8 @@ class Llama:
         nh, nkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         eps, q_end, k_end = cfg.norm_eps, nh * hd, (nh + nkv) * hd
         cos, sin = self.rope(pos, T)
-        mask = causal_mask(pos, T, self.embed.dtype, ids.device)
-        x = F.embedding(ids, self.embed)  # [T, hidden]
+        mask = causal_mask(pos, T, self.dtype, ids.device)
+        x = embed(ids, self.embed, self.dtype)  # [T, hidden]
         for i, L in enumerate(self.layers):
             qkv = linear(rms_norm(x, L.attn_norm2, eps), L.wqkv, L.bqkv)  # [T, (nh + 2 nkv) hd]: q | k | v
             rotate_(qkv[:, :k_end].view(T, nh + nkv, hd), cos, sin)
@@ -327,7 +328,7 @@ class Llama:
         eps, q_end, k_end = cfg.norm_eps, nh * hd, (nh + nkv) * hd
         cos, sin = self.rope(pos, 1)
         cos, sin = cos[0], sin[0]  # [1, hd]
-        x = self.embed[ids[0]]  # [hidden]
+        x = embed(ids[:1], self.embed, self.dtype)[0]  # [hidden]
         norm = vector_norm(x, eps)
         for i, L in enumerate(self.layers):
             qkv = matvec(L.wqkv, norm(x, L.attn_norm2), L.bqkv)  # [(nh + 2 nkv) hd]: q | k | v
@@ -339,19 +340,5 @@ class Llama:
             x = add_matvec(x, L.w_down, swiglu(gate_up), L.b_down)
         return norm(x, self.norm2)
 
-
-def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """x `[T, in]` @ w.T (+ b). One row takes the matrix-vector kernel (`matvec`: memory-bound; the
-    generic matmul path is slower at T=1 here). Which kernel runs depends on T alone, never on history."""
-    if x.shape[0] == 1:
-        return matvec(w, x[0], b)[None]
-    return F.linear(x, w, b)
-
-
-def add_linear(x: torch.Tensor, y: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    """The residual step x + y @ w.T (+ b), fused into one kernel where there is no bias."""
-    if x.shape[0] == 1:
-        return add_matvec(x[0], w, y[0], b)[None]
-    return torch.addmm(x, y, w.t()) if b is None else x + F.linear(y, w, b)
 
 Net = Llama

@@ -7,6 +7,10 @@ process computes with torch's kernels: KVSTORE_NATIVE=0, a CPU without AVX512-BF
 failed (a NativeKernelWarning says why, once). The first call settles it for the process; the build
 (build.py) happens once per machine and torch install. kvstore/engine/ops.py decides, op by op, which runs.
 
+`quant()` -> `QuantKernels`, the block-quantized products of kernels_quant.cpp (`qgemm`, on any CPU
+with AVX2: AVX512-VNNI, AVX-VNNI or AVX2, the same bits on each), or None (KVSTORE_NATIVE=0, no
+AVX2, a failed build): then `quant_reference` computes the same bits with torch ops, slowly.
+
 Bits: the two kernels round differently, so decoding is exact between runs that made the same
 choice. Every process on one machine makes the same one (unless KVSTORE_NATIVE differs); a session
 continued where the choice differs (another kind of CPU, KVSTORE_NATIVE=0) continues exactly as a
@@ -27,6 +31,7 @@ from .build import BuildError, has_compiler, is_built, load
 
 ENV = "KVSTORE_NATIVE"
 SOURCE = Path(__file__).with_name("kernels_bf16.cpp")
+QUANT_SOURCE = Path(__file__).with_name("kernels_quant.cpp")
 
 
 class NativeKernelWarning(UserWarning):
@@ -41,7 +46,15 @@ class Kernels:
     rope_: Callable  # (x [T, heads, hd] | [heads, hd], cos, sin) -> x, in place
 
 
+@dataclass(frozen=True)
+class QuantKernels:
+    qgemm: Callable  # (packed, kind, rows, cols, x [T, cols], add | None, isa) -> [T, rows]
+    qembed: Callable  # (packed, kind, rows, cols, ids [n], dtype) -> [n, cols]
+    isa: str  # the instruction path qgemm takes by default: "avx512-vnni", "avx-vnni" or "avx2"
+
+
 _choice: tuple[Kernels | None, str] | None = None  # (the kernels or None, why), once settled
+_quant_choice: tuple[QuantKernels | None, str] | None = None
 
 
 def kernels() -> Kernels | None:
@@ -52,9 +65,19 @@ def kernels() -> Kernels | None:
     return _choice[0]
 
 
+def quant() -> QuantKernels | None:
+    """The native block-quantized products, or None (see the module's docstring)."""
+    global _quant_choice
+    if _quant_choice is None:
+        _quant_choice = _load_quant()
+    return _quant_choice[0]
+
+
 def will_build() -> bool:
-    """Whether settling the choice now compiles the kernels first (about 10 s here, once per machine)."""
-    return _choice is None and os.environ.get(ENV) != "0" and has_compiler() and not is_built(SOURCE)
+    """Whether settling the choices now compiles kernels first (about 10 s each here, once per machine)."""
+    if os.environ.get(ENV) == "0" or not has_compiler():
+        return False
+    return (_choice is None and not is_built(SOURCE)) or (_quant_choice is None and not is_built(QUANT_SOURCE))
 
 
 def status() -> str:
@@ -63,15 +86,38 @@ def status() -> str:
     return _choice[1]
 
 
-def _load() -> tuple[Kernels | None, str]:
+def quant_status() -> str:
+    """Which kernels compute with block-quantized weights, and why: one line."""
+    quant()
+    return _quant_choice[1]
+
+
+def _built(source: Path, cost: str) -> str | None:
+    """None once `source`'s library is loaded; else why this process uses torch's kernels instead."""
     if os.environ.get(ENV) == "0":
-        return None, f"torch's kernels ({ENV}=0)"
+        return f"torch's kernels ({ENV}=0)"
     try:
-        load(SOURCE)
+        load(source)
     except BuildError as e:
-        warnings.warn(f"kvstore: running on torch's kernels, decoding about half as fast: {e}. Set {ENV}=0 to "
-                      "silence this.", NativeKernelWarning, stacklevel=3)
-        return None, f"torch's kernels (the native ones failed to build: {str(e).splitlines()[0]})"
+        warnings.warn(f"kvstore: running on torch's kernels, {cost}: {e}. Set {ENV}=0 to silence this.",
+                      NativeKernelWarning, stacklevel=4)
+        return f"torch's kernels (the native ones failed to build: {str(e).splitlines()[0]})"
+    return None
+
+
+def _load_quant() -> tuple[QuantKernels | None, str]:
+    if (why := _built(QUANT_SOURCE, "quantized weights computing far slower")) is not None:
+        return None, why
+    isa = torch.ops.kvstore.quant_isa()
+    if not isa:
+        return None, "torch's kernels (this CPU has no AVX2)"
+    ops = torch.ops.kvstore
+    return QuantKernels(ops.qgemm.default, ops.qembed.default, isa), f"native {isa.upper()} block-quantized kernels"
+
+
+def _load() -> tuple[Kernels | None, str]:
+    if (why := _built(SOURCE, "decoding about half as fast")) is not None:
+        return None, why
     ops = torch.ops.kvstore
     if not ops.avx512_bf16():
         return None, "torch's kernels (this CPU has no AVX512-BF16)"

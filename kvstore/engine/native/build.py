@@ -30,7 +30,7 @@ import torch
 from ...errors import BuildError
 from ...fileio import PLAIN, atomic_write
 
-FLAGS = ("-O3", "-std=c++20", "-fPIC", "-shared", "-fopenmp")
+FLAGS = ("-O3", "-std=c++20", "-ffp-contract=off", "-fPIC", "-shared", "-fopenmp")
 BUILD_TIMEOUT_S = 600
 LOCK_TIMEOUT_S = 900  # longer than a build: a waiter gives up only on a builder that hangs
 

@@ -1,0 +1,451 @@
+// Matrix products with GGUF block-quantized weights (Q4_0, Q4_1, Q8_0), computed as stored: the
+// activation rows are quantized to 8-bit blocks and every block's product is an exact integer sum.
+//
+// qgemm(w, kind, rows, cols, x [T, cols], add=None, isa=-1) -> y [T, rows] (x's dtype: bf16 or f32)
+//   y[t, r] = round(sum_b term(t, r, b) (+ add[t or 0, r]))
+// qembed(w, kind, rows, cols, ids [n], dtype) -> [n, cols]: rows of the matrix, dequantized (an
+//   embedding table kept quantized): GGUF's values, d * (q - 8), d * q + m or d * q in float32.
+//
+// The arithmetic, which quant_reference.py restates in torch op for op (the tests hold them equal):
+// - Activation block b of row t (32 values, float32): amax = max |x|, dx = amax / 127,
+//   id = dx ? 1 / dx : 0, p = round-half-even(x * id) (int8), s = sum p, sx = dx * float(s).
+// - Weight block b of row r: q (Q4: 0..15, Q8_0: -128..127), dw (fp16), mw (Q4_1's fp16 minimum).
+//   isum = sum q p (exact), minus 8 s for Q4_0 (q - 8 is the value); float32 from there on:
+//   acc += float(isum) * (dw * dx), then for Q4_1 acc += mw * sx; blocks in order, one accumulator
+//   per output element, starting at +0. Then + add, one rounding to the output dtype.
+// So every output element is computed in one fixed order that depends on its own row and column of
+// inputs only: the same bits whatever T is (a decode step, a prefill chunk, a batch of sessions),
+// whatever the thread count, and whichever of the three instruction paths ran (the integer sums are
+// exact; the float operations are the same ones, lane for lane).
+//
+// Packed layout (quant.py `pack` writes it): rows in groups of 16 (zero rows pad the last group);
+// per group, per block b, one record: the 16 rows' quants as slices of 64 bytes (4 bytes per row,
+// row i at bytes 4i..4i+3), then the 16 rows' dw (fp16), then for Q4_1 the 16 mw (fp16).
+// - Q8_0: 8 slices; slice k holds elements 4k..4k+3 of each row, each byte XOR 0x80 (unsigned).
+// - Q4_0 / Q4_1: 4 slices of GGUF's own bytes: slice k holds bytes 4k..4k+3 of each row's block,
+//   whose low nibbles are elements 4k..4k+3 and high nibbles elements 16+4k..16+4k+3.
+// So one vpdpbusd multiplies 4 quants of each of the 16 rows by the same 4 activation bytes
+// (broadcast), and the 16 int32 lanes are the 16 rows: no horizontal sums anywhere.
+//
+// Paths: AVX512-VNNI (16 lanes), AVX-VNNI (two 8-lane halves), AVX2 (maddubs + madd; Q8_0 through
+// |q| and sign-adjusted activations so no pair saturates). kvstore::quant_isa() names the best one
+// this CPU has ("" when it lacks AVX2 and F16C: then qgemm refuses, and the caller uses the torch
+// reference). `isa` forces a path (tests): 0 AVX2, 1 AVX-VNNI, 2 AVX512-VNNI, -1 the best.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <string>
+#include <type_traits>
+
+namespace {
+
+constexpr int64_t kLanes = 16;  // weight rows per group: one int32 lane each
+constexpr int64_t kBlock = 32;  // elements per quant block
+constexpr int64_t kTile = 8;    // activation rows computed together (each weight record unpacked once)
+
+enum Kind : int64_t { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2 };
+enum Isa : int64_t { AVX2 = 0, AVX_VNNI = 1, AVX512_VNNI = 2 };
+
+constexpr int64_t quant_bytes(int64_t kind) { return kind == Q8_0 ? 512 : 256; }
+constexpr int64_t record_bytes(int64_t kind) { return quant_bytes(kind) + 32 + (kind == Q4_1 ? 32 : 0); }
+
+#define KV_AVX2 __attribute__((target("avx2,f16c,fma")))
+#define KV_AVX512_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,f16c,fma")))
+
+int64_t best_isa() {
+  static const int64_t best = [] {
+    __builtin_cpu_init();
+    if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("f16c") || !__builtin_cpu_supports("fma"))
+      return int64_t(-1);
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+        __builtin_cpu_supports("avx512vnni"))
+      return int64_t(AVX512_VNNI);
+    if (__builtin_cpu_supports("avxvnni")) return int64_t(AVX_VNNI);
+    return int64_t(AVX2);
+  }();
+  return best;
+}
+
+std::string quant_isa() {
+  switch (best_isa()) {
+    case AVX512_VNNI: return "avx512-vnni";
+    case AVX_VNNI: return "avx-vnni";
+    case AVX2: return "avx2";
+    default: return "";
+  }
+}
+
+// ---- activations ----------------------------------------------------------------------------------
+
+// The activation rows, quantized, in tiles of kTile rows: per tile and block one record of kTile rows'
+// 32 quants, then their dx, their sx (Q4_1) and their integer sums' starting offsets (-8 s for Q4_0,
+// whose values are q - 8; -128 s for Q8_0, stored XOR 0x80; 0 for Q4_1). Everything one block of a
+// tile needs is at a fixed offset from one pointer.
+constexpr int64_t kActQuants = kTile * kBlock;                   // bytes of quants per tile and block
+constexpr int64_t kActRecord = kActQuants + 3 * 4 * kTile;       // + dx, sx, offset (4 bytes each)
+constexpr int64_t kDx = kActQuants, kSx = kDx + 4 * kTile, kOff = kSx + 4 * kTile;
+
+typedef int32_t word32 __attribute__((may_alias, aligned(1)));  // 4 activation bytes, read where they lie
+typedef float float_a __attribute__((may_alias));
+
+KV_AVX2 inline __m256 load8(const float* x) { return _mm256_loadu_ps(x); }
+KV_AVX2 inline __m256 load8(const c10::BFloat16* x) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// one row of `cols` values -> its quantized blocks, as row `t` of the tile at `tile` (the arithmetic
+// of the header, exactly)
+template <typename T>
+KV_AVX2 void quantize_row(const T* x, int64_t cols, int64_t kind, uint8_t* tile, int64_t t) {
+  const __m256 sign = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  for (int64_t b = 0; b < cols / kBlock; b++) {
+    uint8_t* rec = tile + b * kActRecord;
+    __m256 v[4];
+    __m256 amax = _mm256_setzero_ps();
+    for (int j = 0; j < 4; j++) {
+      v[j] = load8(x + b * kBlock + 8 * j);
+      amax = _mm256_max_ps(amax, _mm256_and_ps(v[j], sign));
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, amax);
+    float m = 0.0f;
+    for (float l : lanes) m = l > m ? l : m;  // a max: exact in any order
+    const float d = m / 127.0f;
+    const float id = d != 0.0f ? 1.0f / d : 0.0f;
+    const __m256 scale = _mm256_set1_ps(id);
+    __m256i q[4];
+    for (int j = 0; j < 4; j++) q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], scale));  // round half even
+    // int32 -> int8: the packs work per 128-bit half, the permute puts the dwords back in order
+    const __m256i w16a = _mm256_packs_epi32(q[0], q[1]), w16b = _mm256_packs_epi32(q[2], q[3]);
+    const __m256i w8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(w16a, w16b),
+                                                   _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(rec + t * kBlock), w8);
+    const __m256i sum4 = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+    int32_t parts[8];
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(parts), sum4);
+    int32_t total = 0;
+    for (int32_t v8 : parts) total += v8;
+    const float dx = d, sx = d * float(total);
+    const int32_t off = kind == Q8_0 ? -128 * total : kind == Q4_0 ? -8 * total : 0;
+    std::memcpy(rec + kDx + 4 * t, &dx, 4);
+    std::memcpy(rec + kSx + 4 * t, &sx, 4);
+    std::memcpy(rec + kOff + 4 * t, &off, 4);
+  }
+}
+
+// ---- the 16-lane AVX512-VNNI path -------------------------------------------------------------------
+
+// acc += the 16 rows' products of 4 quants with the 4 activation bytes at x, broadcast from memory
+// (the intrinsic makes a separate broadcast instruction of it)
+KV_AVX512_VNNI inline __m512i dot16(__m512i acc, __m512i w, const uint8_t* x) {
+  asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*reinterpret_cast<const word32*>(x)));
+  return acc;
+}
+
+template <int64_t kind, int N>
+KV_AVX512_VNNI void tile_avx512(const uint8_t* rec, int64_t nb, const uint8_t* act, float* out) {
+  constexpr int64_t QB = quant_bytes(kind), RB = record_bytes(kind);
+  __m512 acc[N];
+  for (int t = 0; t < N; t++) acc[t] = _mm512_setzero_ps();
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  for (int64_t b = 0; b < nb; b++, rec += RB, act += kActRecord) {
+    __m512i w[8];  // w[k] pairs with the activation's int32 word k (elements 4k..4k+3)
+    if constexpr (kind == Q8_0) {
+      for (int k = 0; k < 8; k++) w[k] = _mm512_loadu_si512(rec + 64 * k);
+    } else {
+      for (int k = 0; k < 4; k++) {
+        const __m512i v = _mm512_loadu_si512(rec + 64 * k);
+        w[k] = _mm512_and_si512(v, low);
+        w[k + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+      }
+    }
+    _mm_prefetch(reinterpret_cast<const char*>(rec + 4 * RB), _MM_HINT_T0);
+    const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + QB)));
+    __m512 mw = _mm512_setzero_ps();
+    if constexpr (kind == Q4_1) mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + QB + 32)));
+#pragma GCC unroll 8
+    for (int t = 0; t < N; t++) {
+      const uint8_t* x = act + t * kBlock;
+      // the block's integer sum starts at its offset; alone, a row takes two chains of dependent
+      // products, else the other rows' chains overlap its own
+      __m512i isum = kind == Q4_1 ? _mm512_setzero_si512()
+                                  : _mm512_set1_epi32(*reinterpret_cast<const word32*>(act + kOff + 4 * t));
+      if constexpr (N < 4) {
+        __m512i i1 = _mm512_setzero_si512();
+        for (int k = 0; k < 8; k += 2) {
+          isum = dot16(isum, w[k], x + 4 * k);
+          i1 = dot16(i1, w[k + 1], x + 4 * k + 4);
+        }
+        isum = _mm512_add_epi32(isum, i1);
+      } else {
+#pragma GCC unroll 8
+        for (int k = 0; k < 8; k++) isum = dot16(isum, w[k], x + 4 * k);
+      }
+      const float dx = *reinterpret_cast<const float_a*>(act + kDx + 4 * t);
+      const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(dx));
+      acc[t] = _mm512_add_ps(acc[t], _mm512_mul_ps(_mm512_cvtepi32_ps(isum), scale));
+      if constexpr (kind == Q4_1) {
+        const float sx = *reinterpret_cast<const float_a*>(act + kSx + 4 * t);
+        acc[t] = _mm512_add_ps(acc[t], _mm512_mul_ps(mw, _mm512_set1_ps(sx)));
+      }
+    }
+  }
+  for (int t = 0; t < N; t++) _mm512_storeu_ps(out + kLanes * t, acc[t]);
+}
+
+// ---- the 8-lane paths: the same lanes in two halves ----------------------------------------------------
+
+// 4 products of each of 8 rows with the same 4 activation bytes, added to the rows' int32 lanes.
+// AVX-VNNI's vpdpbusd is written as inline assembly so that one body, compiled for plain AVX2, serves
+// both paths: a function compiled with avxvnni enabled could get VNNI instructions from the compiler
+// where the AVX2 path must not have any (madd + add is vpdpwssd there). It runs only when chosen.
+template <bool vnni>
+KV_AVX2 inline __m256i dot8(__m256i acc, __m256i w, __m256i x) {
+  if constexpr (vnni) {
+    asm("%{vex%} vpdpbusd %2, %1, %0" : "+x"(acc) : "x"(w), "x"(x));
+    return acc;
+  } else {
+    // w is below 16 (Q4) or |q| with x sign-adjusted (Q8_0): no int16 pair saturates
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
+  }
+}
+
+template <int64_t kind, int N, bool vnni>
+KV_AVX2 void tile_half(const uint8_t* rec, int64_t nb, const uint8_t* act, float* out, int half) {
+  constexpr int64_t QB = quant_bytes(kind), RB = record_bytes(kind);
+  __m256 acc[N];
+  for (int t = 0; t < N; t++) acc[t] = _mm256_setzero_ps();
+  const __m256i low = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8(char(0x80));
+  rec += 32 * half;  // this half's 8 rows in each 64-byte slice
+  for (int64_t b = 0; b < nb; b++, rec += RB, act += kActRecord) {
+    __m256i w[8];
+    if constexpr (kind == Q8_0) {
+      for (int k = 0; k < 8; k++) w[k] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 64 * k));
+      if constexpr (!vnni) for (int k = 0; k < 8; k++) w[k] = _mm256_xor_si256(w[k], flip);  // signed again
+    } else {
+      for (int k = 0; k < 4; k++) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 64 * k));
+        w[k] = _mm256_and_si256(v, low);
+        w[k + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+      }
+    }
+    const uint8_t* scales = rec - 32 * half + QB + 16 * half;
+    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales)));
+    __m256 mw = _mm256_setzero_ps();
+    if constexpr (kind == Q4_1) mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + 32)));
+#pragma GCC unroll 8
+    for (int t = 0; t < N; t++) {
+      const word32* words = reinterpret_cast<const word32*>(act + t * kBlock);
+      __m256i i0 = _mm256_setzero_si256(), i1 = _mm256_setzero_si256();
+      for (int k = 0; k < 8; k += 2) {
+        __m256i x0 = _mm256_set1_epi32(words[k]), x1 = _mm256_set1_epi32(words[k + 1]);
+        if constexpr (kind == Q8_0 && !vnni) {
+          i0 = dot8<false>(i0, _mm256_abs_epi8(w[k]), _mm256_sign_epi8(x0, w[k]));
+          i1 = dot8<false>(i1, _mm256_abs_epi8(w[k + 1]), _mm256_sign_epi8(x1, w[k + 1]));
+        } else {
+          i0 = dot8<vnni>(i0, w[k], x0);
+          i1 = dot8<vnni>(i1, w[k + 1], x1);
+        }
+      }
+      __m256i isum = _mm256_add_epi32(i0, i1);
+      if constexpr ((kind == Q8_0 && vnni) || kind == Q4_0)
+        isum = _mm256_add_epi32(isum, _mm256_set1_epi32(*reinterpret_cast<const word32*>(act + kOff + 4 * t)));
+      const float dx = *reinterpret_cast<const float_a*>(act + kDx + 4 * t);
+      const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(dx));
+      acc[t] = _mm256_add_ps(acc[t], _mm256_mul_ps(_mm256_cvtepi32_ps(isum), scale));
+      if constexpr (kind == Q4_1) {
+        const float sx = *reinterpret_cast<const float_a*>(act + kSx + 4 * t);
+        acc[t] = _mm256_add_ps(acc[t], _mm256_mul_ps(mw, _mm256_set1_ps(sx)));
+      }
+    }
+  }
+  for (int t = 0; t < N; t++) _mm256_storeu_ps(out + kLanes * t + 8 * half, acc[t]);
+}
+
+// ---- dispatch -----------------------------------------------------------------------------------------
+
+template <int64_t kind, int N>
+void tile(int64_t isa, const uint8_t* rec, int64_t nb, const uint8_t* act, float* out) {
+  if (isa == AVX512_VNNI) return tile_avx512<kind, N>(rec, nb, act, out);
+  for (int half = 0; half < 2; half++) {
+    if (isa == AVX_VNNI) tile_half<kind, N, true>(rec, nb, act, out, half);
+    else tile_half<kind, N, false>(rec, nb, act, out, half);
+  }
+}
+
+template <int64_t kind>
+void tile_rows(int64_t isa, int n, const uint8_t* rec, int64_t nb, const uint8_t* act, float* out) {
+  switch (n) {
+    case 1: return tile<kind, 1>(isa, rec, nb, act, out);
+    case 2: return tile<kind, 2>(isa, rec, nb, act, out);
+    case 3: return tile<kind, 3>(isa, rec, nb, act, out);
+    case 4: return tile<kind, 4>(isa, rec, nb, act, out);
+    case 5: return tile<kind, 5>(isa, rec, nb, act, out);
+    case 6: return tile<kind, 6>(isa, rec, nb, act, out);
+    case 7: return tile<kind, 7>(isa, rec, nb, act, out);
+    default: return tile<kind, 8>(isa, rec, nb, act, out);
+  }
+}
+
+// ---- results ----------------------------------------------------------------------------------------
+
+// float32 -> bfloat16 bits, round to nearest even, NaN -> 0x7FC0: c10::BFloat16's rounding, 8 at a time
+KV_AVX2 inline __m128i to_bf16(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb), 16);
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+  return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+
+// y[t, r0 + l] = round(add + out[l]) for the 16 lanes of one row group of one activation row
+template <typename T>
+KV_AVX2 void store_group(const float* out, const T* add, T* y, int64_t live) {
+  if (live < kLanes) {  // the last group of a matrix whose rows are not a multiple of 16
+    for (int64_t l = 0; l < live; l++) y[l] = T((add ? float(add[l]) : 0.0f) + out[l]);
+    return;
+  }
+  for (int h = 0; h < 2; h++) {
+    __m256 v = _mm256_loadu_ps(out + 8 * h);
+    if (add) v = _mm256_add_ps(load8(add + 8 * h), v);
+    if constexpr (std::is_same_v<T, float>) _mm256_storeu_ps(y + 8 * h, v);
+    else _mm_storeu_si128(reinterpret_cast<__m128i*>(y + 8 * h), to_bf16(v));
+  }
+}
+
+void check_isa(int64_t isa) {
+  const int64_t best = best_isa();
+  TORCH_CHECK(best >= 0, "qgemm: this CPU lacks AVX2/F16C; use the torch reference (kvstore/engine/quant_reference.py)");
+  TORCH_CHECK(isa >= AVX2 && isa <= best, "qgemm: instruction path ", isa, " is not available on this CPU (best: ",
+              quant_isa(), ")");
+}
+
+at::Tensor qgemm(const at::Tensor& w_any, int64_t kind, int64_t rows, int64_t cols, const at::Tensor& x_any,
+                 const std::optional<at::Tensor>& add_any, int64_t isa) {
+  if (isa < 0) isa = best_isa();
+  check_isa(isa);
+  TORCH_CHECK(kind == Q4_0 || kind == Q4_1 || kind == Q8_0, "qgemm: unknown block kind ", kind);
+  TORCH_CHECK(rows > 0 && cols > 0 && cols % kBlock == 0, "qgemm: cols must be a positive multiple of ", kBlock);
+  const int64_t groups = (rows + kLanes - 1) / kLanes, nb = cols / kBlock, RB = record_bytes(kind);
+  TORCH_CHECK(w_any.device().is_cpu() && w_any.scalar_type() == at::kByte && w_any.numel() == groups * nb * RB,
+              "qgemm: the packed weights must be a uint8 CPU tensor of ", groups * nb * RB, " bytes");
+  TORCH_CHECK(x_any.device().is_cpu() && x_any.dim() == 2 && x_any.size(1) == cols &&
+                  (x_any.scalar_type() == at::kBFloat16 || x_any.scalar_type() == at::kFloat),
+              "qgemm: x must be a [T, ", cols, "] bfloat16 or float32 CPU tensor");
+  const at::Tensor w = w_any.contiguous(), x = x_any.contiguous();
+  const int64_t T = x.size(0);
+  at::Tensor add;
+  if (add_any.has_value()) {
+    add = add_any->contiguous();
+    TORCH_CHECK(add.scalar_type() == x.scalar_type() && (add.numel() == rows || add.numel() == T * rows),
+                "qgemm: the addend must be [rows] or [T, rows] in x's dtype");
+  }
+  const bool add_per_row = add.defined() && add.numel() == T * rows && T > 1;
+  at::Tensor y = at::empty({T, rows}, x.options());
+  if (T == 0) return y;
+
+  // 1. quantize every activation row once, into tiles of kTile rows
+  const int64_t tiles = (T + kTile - 1) / kTile, tile_bytes = nb * kActRecord;
+  at::Tensor act = at::empty({tiles * tile_bytes}, x.options().dtype(at::kByte));
+  uint8_t* A = act.data_ptr<uint8_t>();
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; t++) {
+      uint8_t* tile = A + (t / kTile) * tile_bytes;
+      if (bf16) quantize_row(x.data_ptr<c10::BFloat16>() + t * cols, cols, kind, tile, t % kTile);
+      else quantize_row(x.data_ptr<float>() + t * cols, cols, kind, tile, t % kTile);
+    }
+  });
+
+  // 2. each row group (16 weight rows) against every tile of activation rows
+  const uint8_t* W = w.data_ptr<uint8_t>();
+  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+    float out[kTile * kLanes];
+    for (int64_t g = begin; g < end; g++) {
+      const uint8_t* rec = W + g * nb * RB;
+      const int64_t r0 = g * kLanes, live = std::min(kLanes, rows - r0);
+      for (int64_t t0 = 0; t0 < T; t0 += kTile) {
+        const int n = int(std::min(kTile, T - t0));
+        const uint8_t* tile = A + (t0 / kTile) * tile_bytes;
+        if (kind == Q4_0) tile_rows<Q4_0>(isa, n, rec, nb, tile, out);
+        else if (kind == Q4_1) tile_rows<Q4_1>(isa, n, rec, nb, tile, out);
+        else tile_rows<Q8_0>(isa, n, rec, nb, tile, out);
+        for (int i = 0; i < n; i++) {
+          const int64_t t = t0 + i, at = (add_per_row ? t * rows : 0) + r0;
+          if (bf16)
+            store_group(out + kLanes * i, add.defined() ? add.data_ptr<c10::BFloat16>() + at : nullptr,
+                        y.data_ptr<c10::BFloat16>() + t * rows + r0, live);
+          else
+            store_group(out + kLanes * i, add.defined() ? add.data_ptr<float>() + at : nullptr,
+                        y.data_ptr<float>() + t * rows + r0, live);
+        }
+      }
+    }
+  });
+  return y;
+}
+
+// rows `ids` of a packed matrix, dequantized (GGUF's values: float32 math, then the output dtype)
+at::Tensor qembed(const at::Tensor& w_any, int64_t kind, int64_t rows, int64_t cols, const at::Tensor& ids_any,
+                  at::ScalarType dtype) {
+  TORCH_CHECK(kind == Q4_0 || kind == Q4_1 || kind == Q8_0, "qembed: unknown block kind ", kind);
+  TORCH_CHECK(rows > 0 && cols > 0 && cols % kBlock == 0, "qembed: cols must be a positive multiple of ", kBlock);
+  TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat, "qembed: the output is bfloat16 or float32");
+  const int64_t groups = (rows + kLanes - 1) / kLanes, nb = cols / kBlock, RB = record_bytes(kind), QB = quant_bytes(kind);
+  TORCH_CHECK(w_any.device().is_cpu() && w_any.scalar_type() == at::kByte && w_any.numel() == groups * nb * RB,
+              "qembed: the packed weights must be a uint8 CPU tensor of ", groups * nb * RB, " bytes");
+  const at::Tensor w = w_any.contiguous(), ids = ids_any.to(at::kLong).contiguous();
+  const int64_t n = ids.numel();
+  const int64_t* I = ids.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; i++) TORCH_CHECK(I[i] >= 0 && I[i] < rows, "qembed: row ", I[i], " is not in [0, ", rows, ")");
+  at::Tensor y = at::empty({n, cols}, w.options().dtype(dtype));
+  const uint8_t* W = w.data_ptr<uint8_t>();
+  for (int64_t i = 0; i < n; i++) {
+    const int64_t g = I[i] / kLanes, lane = I[i] % kLanes;
+    for (int64_t b = 0; b < nb; b++) {
+      const uint8_t* rec = W + (g * nb + b) * RB;
+      const float d = float(c10::Half(*reinterpret_cast<const uint16_t*>(rec + QB + 2 * lane), c10::Half::from_bits()));
+      const float m = kind == Q4_1 ? float(c10::Half(*reinterpret_cast<const uint16_t*>(rec + QB + 32 + 2 * lane),
+                                                     c10::Half::from_bits())) : 0.0f;
+      float v[kBlock];
+      for (int64_t e = 0; e < kBlock; e++) {
+        if (kind == Q8_0) {
+          v[e] = float(int8_t(rec[64 * (e / 4) + 4 * lane + e % 4] ^ 0x80)) * d;
+        } else {
+          const uint8_t byte = rec[64 * ((e % 16) / 4) + 4 * lane + e % 4];
+          const int q = e < 16 ? byte & 0x0F : byte >> 4;
+          v[e] = kind == Q4_0 ? float(q - 8) * d : float(q) * d + m;
+        }
+      }
+      for (int64_t e = 0; e < kBlock; e++) {
+        if (dtype == at::kBFloat16) y.data_ptr<c10::BFloat16>()[i * cols + b * kBlock + e] = c10::BFloat16(v[e]);
+        else y.data_ptr<float>()[i * cols + b * kBlock + e] = v[e];
+      }
+    }
+  }
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvstore, m) {
+  m.def("quant_isa() -> str", &quant_isa);
+  m.def("qgemm(Tensor w, int kind, int rows, int cols, Tensor x, Tensor? add=None, int isa=-1) -> Tensor");
+  m.def("qembed(Tensor w, int kind, int rows, int cols, Tensor ids, ScalarType dtype) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(kvstore, CPU, m) {
+  m.impl("qgemm", &qgemm);
+  m.impl("qembed", &qembed);
+}

@@ -40,6 +40,7 @@ class Options:
     checkpoint_every: int | None
     device: str
     dtype: str | None
+    weights: str | None
     threads: int | None
     trace: Path | None
     verbose: bool
@@ -59,6 +60,8 @@ def generation_options(continuing: bool) -> Callable:
                   f"Model: alias, .gguf file or Hugging Face folder [default: {kvstore.DEFAULT_MODEL}].")
     every_default = "the session's" if continuing else str(kvstore.DEFAULT_CHECKPOINT_EVERY)
     dtype_default = "the session's" if continuing else kvstore.DEFAULT_DTYPE
+    weights_default = ("the session's" if continuing else
+                       "stored for a GGUF file where kvstore's integer kernels run (AVX2 and up), else dense")
     o = click.option
     options = [
         o("--prompt", "-p", metavar="TEXT", help="Input text (else --file, else stdin when it is not a terminal)."),
@@ -78,7 +81,11 @@ def generation_options(continuing: bool) -> Callable:
         o("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
           help="Where the model runs."),
         o("--dtype", type=click.Choice(kvstore.DTYPE_NAMES),
-          help=f"Weights and KV dtype [default: {dtype_default}]."),
+          help=f"Activations and KV dtype (and dense weights') [default: {dtype_default}]."),
+        o("--weights", type=click.Choice(kvstore.WEIGHT_FORMATS),
+          help="How weight matrices are held: stored (a GGUF's Q4_0/Q4_1/Q8_0 blocks as they are, multiplied by "
+               "integer kernels), dense (dequantized into --dtype), q8_0 (quantized on load). A session continues "
+               f"only on its own [default: {weights_default}]."),
         o("--threads", type=click.IntRange(min=1), help="CPU threads for torch (bits can differ across counts)."),
         o("--trace", type=click.Path(dir_okay=False, path_type=Path),
           help="Append one JSON line per generated token (position, id, logits sha256) to FILE."),
@@ -116,7 +123,7 @@ def new(app, session: str, system: str | None, seed: int, chunk_size: int | None
         raise click.UsageError("--system belongs to chat turns; with --raw, put it in the text")
     store = app.store
     store.check_new_name(session)
-    model = load(o, o.model or kvstore.DEFAULT_MODEL, o.dtype, app.home)
+    model = load(o, o.model or kvstore.DEFAULT_MODEL, o.dtype, o.weights, app.home)
     if text is not None:  # refuse an input the context cannot hold before anything is created
         model.check_context(first_turn_tokens(model, text, system, o.raw))
     settings = dict(o.sampling)
@@ -144,7 +151,7 @@ def continue_(app, session: str, **kwargs):
     store = app.store
     info = store.info(session)
     store.check_writable(session)  # at once, before a model is loaded
-    model = load(o, o.model or info.model_source, o.dtype or info.dtype, app.home)
+    model = load(o, o.model or info.model_source, o.dtype or info.dtype, o.weights or info.weights, app.home)
     with Stops() as stops:
         try:
             timer = Timer()
@@ -171,16 +178,17 @@ def read_input(o: Options) -> str | None:
     return sys.stdin.read() or None
 
 
-def load(o: Options, spec: str, dtype: str | None, home):
+def load(o: Options, spec: str, dtype: str | None, weights: str | None, home):
     if o.threads is not None:
         import torch
 
         torch.set_num_threads(o.threads)
     timer = Timer()
-    if dtype in (None, "bfloat16") and o.device == "cpu" and kvstore.native_will_build():
-        note("compiling kvstore's bfloat16 kernels, once for this machine (about 10 s)")
-    model = kvstore.load_model(spec, dtype=dtype, device=o.device, home=home)
-    o.stat(f"model: {model.source} ({model.dtype_name}, {o.device}) loaded in {timer.elapsed:.1f} s")
+    if o.device == "cpu" and (dtype in (None, "bfloat16") or weights != "dense") and kvstore.native_will_build():
+        note("compiling kvstore's native kernels, once for this machine (about a minute)")
+    model = kvstore.load_model(spec, dtype=dtype, device=o.device, home=home, weights=weights)
+    o.stat(f"model: {model.source} ({model.dtype_name}, {model.weights} weights, {o.device}) loaded in "
+           f"{timer.elapsed:.1f} s")
     return model
 
 

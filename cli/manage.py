@@ -10,6 +10,8 @@ from pathlib import Path
 
 import click
 
+import kvstore
+
 from .render import (bytes_bar, echo_json, human_bytes, note, show_session, stream_json_array, stream_table,
                      summary_text)
 
@@ -106,10 +108,13 @@ def history(app, session: str, as_json: bool):
 @click.argument("session")
 @click.argument("new")
 @click.option("--at", type=click.IntRange(min=1), help="Keep only the first N tokens [default: all].")
+@click.option("--weights", type=click.Choice(kvstore.WEIGHT_FORMATS),
+              help="Go on with the model's weights held this way instead of SESSION's (other bits from the fork on) "
+                   "[default: SESSION's].")
 @click.pass_obj
-def fork(app, session: str, new: str, at: int | None):
+def fork(app, session: str, new: str, at: int | None, weights: str | None):
     """Create NEW from SESSION (or its first N tokens), sharing its KV."""
-    app.store.fork(session, new, at=at)
+    app.store.fork(session, new, at=at, weights=weights)
     info = app.store.info(new)
     note(f"forked {session!r} at {info.n_tokens:,} tokens into {new!r}")
 

@@ -187,6 +187,7 @@ def session_lines(info) -> Iterator[tuple[str, str]]:
     yield "id", info.id
     yield "model", f"{info.model[:12]} ({info.model_source})"
     yield "dtype", info.dtype
+    yield "weights", info.weights
     yield "tokens", f"{info.n_tokens:,} ({info.n_cached:,} in the KV cache, {pending:,} pending)"
     yield "checkpoints", f"{info.checkpoints:,}"
     yield "disk", human_bytes(info.disk_bytes)

@@ -7,7 +7,7 @@ The public API, everything the front ends (`kvstore_cli`, the coming service) us
 - `load_model(spec) -> Model`, `load_tokenizer(spec)`, `pull(alias)`, `models_dir()`;
 - the engine pieces for those who drive generation themselves: `Sequence`, `TokenEvent`,
   `SamplerSettings`, `KVCache`, `StreamDecoder`;
-- the defaults: DEFAULT_MODEL, DEFAULT_DTYPE, DTYPE_NAMES, DEFAULT_CHUNK, DEFAULT_MAX_NEW_TOKENS,
+- the defaults: DEFAULT_MODEL, DEFAULT_DTYPE, DTYPE_NAMES, WEIGHT_FORMATS, DEFAULT_CHUNK, DEFAULT_MAX_NEW_TOKENS,
   DEFAULT_CHECKPOINT_EVERY;
 - `errors` (every error derives from `errors.KvstoreError`), `native_will_build()`.
 
@@ -29,7 +29,7 @@ _WHERE = {
     "models_dir": "engine.pull", "KVCache": "engine.cache", "Sequence": "engine.sequence",
     "TokenEvent": "engine.sequence", "SamplerSettings": "engine.settings", "StreamDecoder": "engine.tokenizer",
     "native_will_build": "engine.native",
-    **{name: "defaults" for name in ("DEFAULT_MODEL", "DEFAULT_DTYPE", "DTYPE_NAMES", "DEFAULT_CHUNK",
+    **{name: "defaults" for name in ("DEFAULT_MODEL", "DEFAULT_DTYPE", "DTYPE_NAMES", "WEIGHT_FORMATS", "DEFAULT_CHUNK",
                                      "DEFAULT_MAX_NEW_TOKENS", "DEFAULT_CHECKPOINT_EVERY")},
 }
 

@@ -32,7 +32,11 @@ def is_loopback(host: str) -> bool:
 @click.option("--model", "model", default="smollm2", show_default=True,
               help="Alias (pulled on first start), .gguf file or Hugging Face folder.")
 @click.option("--served-model-name", help="The model's name in the API (default: the alias or file name).")
-@click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), help="Weights and KV dtype.")
+@click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]),
+              help="Activations and KV dtype (and dense weights').")
+@click.option("--weights", type=click.Choice(["stored", "dense", "q8_0"]),
+              help="How weight matrices are held: stored (a GGUF's quantized blocks, integer kernels), dense "
+                   "(dequantized), q8_0 (quantized on load) [default: stored for a GGUF file where the kernels run].")
 @click.option("--workers", default=1, show_default=True, type=click.IntRange(1, 64),
               help="Engine processes, each with the model; a session is pinned to one.")
 @click.option("--threads", default=0, type=click.IntRange(0, 1024),
@@ -65,7 +69,7 @@ def is_loopback(host: str) -> bool:
 @click.option("--log-format", type=click.Choice(["text", "json"]), default="text", show_default=True,
               help="One line per request: key=value text, or a JSON object.")
 @click.pass_obj
-def serve(app, host, port, model, served_model_name, dtype, workers, threads, api_key_file, allow_unauthenticated,
+def serve(app, host, port, model, served_model_name, dtype, weights, workers, threads, api_key_file, allow_unauthenticated,
           max_queue, max_running, max_open, max_tokens, max_body, max_import, chunk_size, checkpoint_every, grace,
           keep_alive, log_format):
     """Serve the store over HTTP: an OpenAI-compatible API.
@@ -92,7 +96,7 @@ def serve(app, host, port, model, served_model_name, dtype, workers, threads, ap
         raise click.UsageError(f"--host {host} is reachable from other machines and no API keys are set: pass "
                                "--api-key-file (or $KVSTORE_API_KEYS), or --allow-unauthenticated to serve it open")
     config = ServeConfig(home=getattr(app, "home", None), index=getattr(app, "index", None), model=model,
-                         model_id=served_model_name, dtype=dtype, host=host, port=port, workers=workers,
+                         model_id=served_model_name, dtype=dtype, weights=weights, host=host, port=port, workers=workers,
                          threads=threads, api_keys=keys, allow_open=allow_unauthenticated, max_queue=max_queue,
                          max_running=max_running, max_open=max_open, max_tokens=max_tokens, max_body=max_body,
                          max_import=max_import, chunk_size=chunk_size, checkpoint_every=checkpoint_every,

@@ -14,6 +14,7 @@ class ServeConfig:
     model: str = "smollm2"  # alias, .gguf file or Hugging Face folder
     model_id: str | None = None  # the name /v1/models gives it (default: the alias or the file's stem)
     dtype: str | None = None
+    weights: str | None = None  # how the engines hold the weight matrices (kvstore.WEIGHT_FORMATS)
     host: str = "127.0.0.1"
     port: int = 8000
     workers: int = 1  # engine processes

@@ -131,7 +131,7 @@ def main(conn, settings: dict[str, Any]) -> None:
 
     torch.set_num_threads(settings["threads"])
     store = kvstore.open_store(settings["home"], url=settings.get("index"))
-    model = kvstore.load_model(settings["model"], dtype=settings.get("dtype"))
+    model = kvstore.load_model(settings["model"], dtype=settings.get("dtype"), weights=settings.get("weights"))
     engine = Engine(store, model, max_open=settings.get("max_open", 16))
     warm_up(model)
     conn.send({"event": "ready", "pid": os.getpid(), "model": settings["model_id"],

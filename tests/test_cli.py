@@ -148,7 +148,7 @@ def test_a_first_build_of_the_decode_kernel_is_announced(model_dir, monkeypatch)
 
     monkeypatch.setattr(native, "will_build", lambda: True)
     r = make("k", model_dir)
-    assert "compiling kvstore's bfloat16 kernels, once for this machine" in r.stderr
+    assert "compiling kvstore's native kernels, once for this machine" in r.stderr
     monkeypatch.setattr(native, "will_build", lambda: False)
     assert "compiling" not in kv("continue", "k", "-p", "again", "-n", "2").stderr
     assert "compiling" not in make("k32", model_dir, "--dtype", "float32").stderr

@@ -29,6 +29,7 @@ from .config import ModelConfig
 from .fingerprint import file_hash, model_fingerprint
 from .models import architecture, config_from_gguf, config_from_hf
 from .pull import ALIASES, models_dir, pull
+from .rows import Item
 from .weights import (GGUF, HF, collect, dequantize_gguf, gguf_metadata, gguf_tensors, open_gguf,
                       read_safetensors, safetensor_files)
 
@@ -66,8 +67,21 @@ class Model:
         return self.net.feed(self._ids(ids, pos, cache), pos, cache)
 
     @torch.inference_mode()
+    def feed_rows(self, items: Sequence[tuple[Sequence[int], int, KVCache]]) -> torch.Tensor:
+        """`feed` of several sequences, `(ids, pos, cache)` each, in one forward (their rows stacked):
+        the last rows' final hidden states `[len(items), hidden]`, each the bits `feed` gives it alone
+        (contract C9). GPT-2 feeds them one after the other."""
+        rows = [Item(self._ids(ids, pos, cache), pos, cache) for ids, pos, cache in items]
+        if hasattr(self.net, "feed_rows"):
+            return self.net.feed_rows(rows)
+        return torch.stack([self.net.feed(it.ids, it.pos, it.cache) for it in rows])
+
+    @torch.inference_mode()
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Float32 logits `[vocab]` (model's device) from a final hidden state `[hidden]` (`feed`'s)."""
+        """Float32 logits `[vocab]` (model's device) from a final hidden state `[hidden]` (`feed`'s);
+        rows `[n, hidden]` give `[n, vocab]`, each row's bits as alone."""
+        if hidden.dim() == 2 and not hasattr(self.net, "feed_rows"):
+            return torch.stack([self.net.head(h) for h in hidden])
         return self.net.head(hidden)
 
     @property

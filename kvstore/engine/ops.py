@@ -61,6 +61,28 @@ def add_linear(x: torch.Tensor, y: torch.Tensor, w: Weight, b: torch.Tensor | No
     return torch.addmm(x, y, w.t()) if b is None else x + F.linear(y, w, b)
 
 
+def rows_linear(x: torch.Tensor, w: Weight, b: torch.Tensor | None, spans) -> torch.Tensor:
+    """`linear` of rows stacked from several items (`rows.Span`s): one product where each row is
+    computed alone whatever the other rows (block-quantized weights), else item by item, as each
+    item's own `linear` (a dense matrix product's bits may depend on how many rows it has)."""
+    if isinstance(w, Packed) or len(spans) == 1:
+        return linear(x, w, b)
+    k = _native(w)
+    if k is not None and b is None and x.shape[0] == len(spans):  # one row each: gemv's bits, one weight pass
+        return k.gemv_rows(w, x, None)
+    return torch.cat([linear(x[s.start:s.end], w, b) for s in spans])
+
+
+def rows_add_linear(x: torch.Tensor, y: torch.Tensor, w: Weight, b: torch.Tensor | None, spans) -> torch.Tensor:
+    """`add_linear` of stacked rows, as `rows_linear` decides."""
+    if isinstance(w, Packed) or len(spans) == 1:
+        return add_linear(x, y, w, b)
+    k = _native(w)
+    if k is not None and b is None and x.shape[0] == len(spans):
+        return k.gemv_rows(w, y, x)
+    return torch.cat([add_linear(x[s.start:s.end], y[s.start:s.end], w, b) for s in spans])
+
+
 def project(x: torch.Tensor, w: Weight, b: torch.Tensor | None = None) -> torch.Tensor:
     """x `[T, in]` @ w.T (+ b) with the matrix kernel for every T (dense) or the quantized product."""
     return qgemm(w, x, b) if isinstance(w, Packed) else F.linear(x, w, b)

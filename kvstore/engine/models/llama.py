@@ -31,11 +31,12 @@ from typing import Any
 import torch
 
 from ...errors import UnsupportedModel
-from ..attention import ONE_TOKEN, attend, causal_mask
+from ..attention import attend, causal_mask
 from ..cache import KVCache
 from ..config import ModelConfig, gguf_vocab
-from ..ops import Weight, add_linear, add_matvec, embed, linear, matvec, rms_norm, rotate_, swiglu, vector_norm
-from ..quant import Blocks, fuse, packed
+from ..ops import Weight, embed, linear, matvec, rms_norm, rotate_, rows_add_linear, rows_linear, swiglu
+from ..quant import Blocks, Packed, fuse, packed
+from ..rows import Item, spans_of
 from ..weights import GGUF, per_layer
 
 HF_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -284,61 +285,70 @@ class Llama:
         # rotate_half(x) * sin == cat(x2, x1) * cat(-sin, sin): fold the sign into the table
         return torch.cat([cos, cos], -1).to(dtype)[:, None], torch.cat([-sin, sin], -1).to(dtype)[:, None]
 
+    def rope_rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin of each row's position `[R]` -> `[R, 1, head_dim]` each (rows of `rope`'s table)."""
+        self.rope(0, int(positions.max()) + 1)  # the table reaches the last one
+        cos, sin = self._rope_cache
+        return cos[positions], sin[positions]
+
     def forward(self, ids: torch.Tensor, pos: int, cache: KVCache | None, *, last_only: bool) -> torch.Tensor:
         """Logits (float32) for `ids` `[T]` at positions pos..pos+T-1: `[T, vocab]`, or `[1, vocab]`."""
         if last_only:
             return self.head(self.feed(ids, pos, cache))[None]
-        return linear(rms_norm(self._trunk(ids, pos, cache), self.norm2, self.cfg.norm_eps), self.lm_head).float()
+        x = self._rows([Item(ids, pos, cache)])
+        return linear(rms_norm(x, self.norm2, self.cfg.norm_eps), self.lm_head).float()
 
     def feed(self, ids: torch.Tensor, pos: int, cache: KVCache | None) -> torch.Tensor:
         """Write the K/V of `ids` `[T]` at positions pos..pos+T-1; the last one's final hidden state,
         normalized: `[hidden]`, what `head` turns into the logits that predict the next token."""
-        if ids.shape[0] == 1 and cache is not None:
-            return self._step(ids, pos, cache)
-        return rms_norm(self._trunk(ids, pos, cache)[-1:], self.norm2, self.cfg.norm_eps)[0]
+        return self.feed_rows([Item(ids, pos, cache)])[0]
+
+    def feed_rows(self, items: list[Item]) -> torch.Tensor:
+        """`feed` of several sequences in one forward: each item's tokens into its own cache; their last
+        rows' final hidden states, normalized, `[len(items), hidden]`. Row for row the same bits as
+        each item fed alone (see `_rows`)."""
+        x = self._rows(items)
+        last = torch.tensor([s.end - 1 for s in spans_of(items)], device=x.device)
+        return rms_norm(x[last], self.norm2, self.cfg.norm_eps)
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Float32 logits `[vocab]` from a final hidden state `[hidden]` (`feed`'s)."""
+        """Float32 logits `[vocab]` from a final hidden state `[hidden]` (`feed`'s); `[n, hidden]` rows
+        give `[n, vocab]`, each row's bits as alone."""
+        if hidden.dim() == 2:
+            return linear(hidden, self.lm_head).float() if isinstance(self.lm_head, Packed) else \
+                torch.stack([matvec(self.lm_head, h) for h in hidden]).float()
         return matvec(self.lm_head, hidden).float()
 
-    def _trunk(self, ids: torch.Tensor, pos: int, cache: KVCache | None) -> torch.Tensor:
-        """The residual stream `[T, hidden]` after the last layer, K/V written into `cache`."""
+    def _rows(self, items: list[Item]) -> torch.Tensor:
+        """The residual stream `[R, hidden]` after the last layer for every item's tokens, rows in item
+        order, K/V written into each item's cache. A row's bits depend on its own item only: the
+        products are row-wise (`rows_linear`: one product over all rows where the kernel computes each
+        row alone, else per item as `linear` would), so are RMSNorm, rotary and SwiGLU, and attention
+        runs per item."""
         cfg = self.cfg
-        T = ids.shape[0]
         nh, nkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         eps, q_end, k_end = cfg.norm_eps, nh * hd, (nh + nkv) * hd
-        cos, sin = self.rope(pos, T)
-        mask = causal_mask(pos, T, self.dtype, ids.device)
-        x = embed(ids, self.embed, self.dtype)  # [T, hidden]
+        spans = spans_of(items)
+        ids = items[0].ids if len(items) == 1 else torch.cat([it.ids for it in items])
+        R = ids.shape[0]
+        if len(items) == 1:
+            cos, sin = self.rope(items[0].pos, R)
+        else:
+            cos, sin = self.rope_rows(torch.cat([torch.arange(it.pos, it.pos + s.end - s.start)
+                                                 for it, s in zip(items, spans)]).to(ids.device))
+        masks = [causal_mask(it.pos, s.end - s.start, self.dtype, ids.device) for it, s in zip(items, spans)]
+        x = embed(ids, self.embed, self.dtype)  # [R, hidden]
         for i, L in enumerate(self.layers):
-            qkv = linear(rms_norm(x, L.attn_norm2, eps), L.wqkv, L.bqkv)  # [T, (nh + 2 nkv) hd]: q | k | v
-            rotate_(qkv[:, :k_end].view(T, nh + nkv, hd), cos, sin)
-            # k | v of a token is exactly one token row of the cache: [T, 2, nkv, hd]
-            o = attend(qkv[:, :q_end].view(T, nh, hd), qkv[:, q_end:].view(T, 2, nkv, hd), cache, i, pos, mask)
-            x = add_linear(x, o, L.wo, L.bo)
-            gate_up = linear(rms_norm(x, L.mlp_norm2, eps), L.w_gate_up, L.b_gate_up)  # [T, 2 ffn]
-            x = add_linear(x, swiglu(gate_up), L.w_down, L.b_down)
+            qkv = rows_linear(rms_norm(x, L.attn_norm2, eps), L.wqkv, L.bqkv, spans)  # [R, (nh + 2 nkv) hd]: q | k | v
+            rotate_(qkv[:, :k_end].view(R, nh + nkv, hd), cos, sin)
+            q, kv = qkv[:, :q_end].view(R, nh, hd), qkv[:, q_end:].view(R, 2, nkv, hd)  # k | v: cache rows
+            parts = [attend(q[s.start:s.end], kv[s.start:s.end], it.cache, i, it.pos, m)
+                     for it, s, m in zip(items, spans, masks)]
+            o = parts[0] if len(parts) == 1 else torch.cat(parts)  # [R, nh hd]
+            x = rows_add_linear(x, o, L.wo, L.bo, spans)
+            gate_up = rows_linear(rms_norm(x, L.mlp_norm2, eps), L.w_gate_up, L.b_gate_up, spans)  # [R, 2 ffn]
+            x = rows_add_linear(x, swiglu(gate_up), L.w_down, L.b_down, spans)
         return x
-
-    def _step(self, ids: torch.Tensor, pos: int, cache: KVCache) -> torch.Tensor:
-        """`feed` of one token into a cache, in vectors (`[hidden]`): the decode loop's hot path, where
-        Python and dispatch overhead per op is a fair share of the time, so it takes the fewest ops."""
-        cfg = self.cfg
-        nh, nkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        eps, q_end, k_end = cfg.norm_eps, nh * hd, (nh + nkv) * hd
-        cos, sin = self.rope(pos, 1)
-        cos, sin = cos[0], sin[0]  # [1, hd]
-        x = embed(ids[:1], self.embed, self.dtype)[0]  # [hidden]
-        norm = vector_norm(x, eps)
-        for i, L in enumerate(self.layers):
-            qkv = matvec(L.wqkv, norm(x, L.attn_norm2), L.bqkv)  # [(nh + 2 nkv) hd]: q | k | v
-            rotate_(qkv[:k_end].view(nh + nkv, hd), cos, sin)
-            # k | v is exactly one token row of the cache: [1, 2, nkv, hd]
-            o = attend(qkv[:q_end].view(1, nh, hd), qkv[q_end:].view(1, 2, nkv, hd), cache, i, pos, ONE_TOKEN)[0]
-            x = add_matvec(x, L.wo, o, L.bo)
-            gate_up = matvec(L.w_gate_up, norm(x, L.mlp_norm2), L.b_gate_up)  # [2 ffn]
-            x = add_matvec(x, L.w_down, swiglu(gate_up), L.b_down)
-        return norm(x, self.norm2)
 
 
 Net = Llama

@@ -41,6 +41,7 @@ class NativeKernelWarning(UserWarning):
 @dataclass(frozen=True)
 class Kernels:
     gemv: Callable  # (w [rows, n], x [n], add [rows] | None) -> [rows]
+    gemv_rows: Callable  # (w [rows, n], x [R, n], add [R, rows] | None) -> [R, rows]: gemv of each row
     rms_norm: Callable  # (x [..., H], weight [>= H], eps) -> [..., H]
     swiglu: Callable  # (gate_up [..., 2F]) -> [..., F]
     rope_: Callable  # (x [T, heads, hd] | [heads, hd], cos, sin) -> x, in place
@@ -121,7 +122,7 @@ def _load() -> tuple[Kernels | None, str]:
     ops = torch.ops.kvstore
     if not ops.avx512_bf16():
         return None, "torch's kernels (this CPU has no AVX512-BF16)"
-    return Kernels(ops.gemv_bf16.default, ops.rms_norm_bf16.default, ops.swiglu_bf16.default,
+    return Kernels(ops.gemv_bf16.default, ops.gemv_rows_bf16.default, ops.rms_norm_bf16.default, ops.swiglu_bf16.default,
                    ops.rope_bf16_.default), "native AVX512-BF16 kernels"
 
 

@@ -2,7 +2,8 @@
 // several, float32 inside, one rounding to bfloat16 at the end.
 //
 // - gemv_bf16(W [rows, n], x [n], add=None) -> [rows]: y = W x (+ add), the one-row products (the
-//   decode step). torch.mv widens every weight to float32 before its multiply-add; vdpbf16ps
+//   decode step); gemv_rows_bf16 does it for several rows (several sessions' decode steps) in one
+//   pass over the weights, each row's bits as alone. torch.mv widens every weight to float32 before its multiply-add; vdpbf16ps
 //   multiplies 32 bfloat16 pairs into 16 float32 lanes in one step, and with the next rows
 //   prefetched the product runs at the speed memory streams the weights.
 // - rms_norm_bf16(x [..., H], weight [>= H], eps) -> [..., H]: x / sqrt(mean(x^2) + eps) * weight[:H].
@@ -117,6 +118,43 @@ at::Tensor gemv_bf16(const at::Tensor& w_any, const at::Tensor& x_any, const std
   return y;
 }
 
+// gemv_rows_bf16(W [rows, n], X [R, n], add [R, rows] | None) -> [R, rows]: gemv_bf16 of each row of X,
+// the weights read once for all of them (each block of weight rows meets every x row while it is in
+// the cache); every output element is the very dot product gemv_bf16 computes for its row alone.
+at::Tensor gemv_rows_bf16(const at::Tensor& w_any, const at::Tensor& x_any, const std::optional<at::Tensor>& add_any) {
+  require_avx512_bf16("gemv_rows_bf16");
+  check(w_any, "gemv_rows_bf16", "the matrix", 2);
+  check(x_any, "gemv_rows_bf16", "the rows", 2);
+  const at::Tensor w = w_any.contiguous(), x = x_any.contiguous();
+  const int64_t rows = w.size(0), n = w.size(1), R = x.size(0);
+  TORCH_CHECK(x.size(1) == n, "gemv_rows_bf16: the rows have ", x.size(1), " elements, the matrix ", n, " columns");
+  at::Tensor add;
+  if (add_any.has_value()) {
+    check(*add_any, "gemv_rows_bf16", "the addend", 2);
+    TORCH_CHECK(add_any->size(0) == R && add_any->size(1) == rows, "gemv_rows_bf16: the addend must be [", R, ", ",
+                rows, "]");
+    add = add_any->contiguous();
+  }
+  const uint16_t* base = add.defined() ? bits(add) : nullptr;
+  at::Tensor y = at::empty({R, rows}, w.options());
+  const uint16_t *W = bits(w), *X = bits(x);
+  auto* Y = static_cast<c10::BFloat16*>(y.data_ptr());
+  const int64_t blocks = (rows + kRows - 1) / kRows;
+  at::parallel_for(0, blocks, kGrain, [&](int64_t begin, int64_t end) {
+    float dots[kRows];
+    for (int64_t b = begin; b < end; b++) {
+      const int64_t r0 = b * kRows, count = std::min(kRows, rows - r0);
+      for (int64_t t = 0; t < R; t++) {
+        dot_rows(W + r0 * n, X + t * n, n, count, dots);
+        for (int64_t i = 0; i < count; i++) {
+          const float extra = base ? float(c10::BFloat16(base[t * rows + r0 + i], c10::BFloat16::from_bits())) : 0.0f;
+          Y[t * rows + r0 + i] = c10::BFloat16(extra + dots[i]);
+        }
+      }
+    }
+  });
+  return y;
+}
 
 // ---- elementwise kernels: float32 lanes in, bfloat16 out -----------------------------------------
 
@@ -241,6 +279,7 @@ at::Tensor& rope_bf16_(at::Tensor& x, const at::Tensor& cos_any, const at::Tenso
 TORCH_LIBRARY(kvstore, m) {
   m.def("avx512_bf16() -> bool", &avx512_bf16);
   m.def("gemv_bf16(Tensor w, Tensor x, Tensor? add=None) -> Tensor");
+  m.def("gemv_rows_bf16(Tensor w, Tensor x, Tensor? add=None) -> Tensor");
   m.def("rms_norm_bf16(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("swiglu_bf16(Tensor gate_up) -> Tensor");
   m.def("rope_bf16_(Tensor(a!) x, Tensor cos, Tensor sin) -> Tensor(a!)");
@@ -248,6 +287,7 @@ TORCH_LIBRARY(kvstore, m) {
 
 TORCH_LIBRARY_IMPL(kvstore, CPU, m) {
   m.impl("gemv_bf16", &gemv_bf16);
+  m.impl("gemv_rows_bf16", &gemv_rows_bf16);
   m.impl("rms_norm_bf16", &rms_norm_bf16);
   m.impl("swiglu_bf16", &swiglu_bf16);
   m.impl("rope_bf16_", &rope_bf16_);

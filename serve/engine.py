@@ -5,8 +5,10 @@ It talks to the API process over one duplex pipe, in dicts:
 - engine -> API: `{"event": "ready", "model", "pid"}` once the model is loaded, then the events of
   each job with its `id` (a cancelled job sends nothing more: it checkpoints as it closes).
 
-Every running job is advanced one event per round, a token or a prefill chunk, so one long reply
-or one long prompt does not hold back another session's tokens. Sessions stay open (their writer
+Every running job is advanced one event per step, a token or a prefill chunk, so one long reply
+or one long prompt does not hold back another session's tokens; the step's model calls are one
+batched forward (`batching.py`: every decode token and the prompt chunks that fit the step's token
+budget), each session's bits as the library computes them alone (C9). Sessions stay open (their writer
 lock held, their cache in memory) between requests, up to `max_open`, least recently used closed
 first; a session is only ever written by the engine it is pinned to. When the API process goes away (the pipe's end is closed: a crash, a kill),
 or on `stop`, every job is closed and every session checkpointed before the process exits.
@@ -23,6 +25,7 @@ from typing import Any
 import kvstore
 
 from . import conversations, jobs
+from .batching import BatchedModel, Batcher
 
 jobs.KINDS.update(conversations.KINDS)  # the Responses and Conversations APIs' jobs
 
@@ -30,8 +33,11 @@ jobs.KINDS.update(conversations.KINDS)  # the Responses and Conversations APIs' 
 class Engine:
     """The model, the store and the sessions this engine has open."""
 
-    def __init__(self, store, model, *, max_open: int = 16, busy_wait: float = 10.0):
-        self.store, self.model, self.max_open, self.busy_wait = store, model, max_open, busy_wait
+    def __init__(self, store, model, *, max_open: int = 16, busy_wait: float = 10.0, step_tokens: int = 512):
+        self.batcher = Batcher(model, step_tokens)
+        # the sessions' model: its feed and head calls wait for the step's batch (batching.py)
+        self.model = BatchedModel(model, self.batcher)
+        self.store, self.max_open, self.busy_wait = store, max_open, busy_wait
         self.sessions: OrderedDict[str, Any] = OrderedDict()
         cfg = model.config
         self.token_bytes = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * model.dtype.itemsize
@@ -170,16 +176,23 @@ def _exit(*_) -> None:
 
 
 class Loop:
+    """Runs the jobs: each engine step advances every running job by one event, their model calls
+    batched (`batching.Batcher`: one forward for every decode token and the prompt chunks that fit
+    `step_tokens`)."""
+
     def __init__(self, conn, engine: Engine):
         self.conn, self.engine = conn, engine
         self.running: OrderedDict[str, Any] = OrderedDict()
         self.stopping = False
+        self.batcher = engine.batcher
+        self.steps: list[tuple[int, int, int]] = []  # (sessions, decode rows, prompt rows) of each forward
+        self.stats_sent = time.monotonic()
 
     def run(self) -> None:
         while not (self.stopping and not self.running):
             self._receive(0 if self.running else 0.5)
-            for job_id in list(self.running):
-                self._step(job_id)
+            if self.running:
+                self._step()
 
     def _receive(self, timeout: float) -> None:
         try:
@@ -196,21 +209,37 @@ class Loop:
         elif msg["op"] == "cancel":
             job = self.running.pop(msg["id"], None)
             if job is not None:
-                job.close()  # the session's generator checkpoints as it closes
+                self._close(msg["id"], job)
         elif msg["op"] == "stop":
             self.stopping = True
 
-    def _step(self, job_id: str) -> None:
-        try:
-            event = next(self.running[job_id])
-        except StopIteration:
-            del self.running[job_id]
-            return
-        if event["event"] == "prefill":
-            return  # the job had its turn: one chunk of its prompt
-        self._send({**event, "id": job_id})
-        if event["event"] in ("end", "error"):
-            self.running.pop(job_id).close()
+    def _step(self) -> None:
+        done, step = self.batcher.run({job_id: (lambda job=job: next(job, _FINISHED))
+                                       for job_id, job in self.running.items()})
+        self._count(step)
+        for job_id, event in done.items():
+            if isinstance(event, BaseException):
+                raise event
+            if event is _FINISHED:
+                del self.running[job_id]
+                continue
+            if event["event"] == "prefill":
+                continue  # the job had its turn: one chunk of its prompt
+            self._send({**event, "id": job_id})
+            if event["event"] in ("end", "error") and job_id in self.running:
+                self._close(job_id, self.running.pop(job_id))
+
+    def _count(self, step) -> None:
+        """Each forward's size, sent to the API process's metrics at most every STATS_EVERY seconds."""
+        if step.sessions:
+            self.steps.append((step.sessions, step.decode_rows, step.prefill_rows))
+        if self.steps and time.monotonic() - self.stats_sent >= STATS_EVERY:
+            self._send({"event": "stats", "steps": self.steps})
+            self.steps, self.stats_sent = [], time.monotonic()
+
+    def _close(self, job_id: str, job) -> None:
+        self.batcher.abandon(job_id)  # a job waiting for the model stops there
+        job.close()  # the session's generator checkpoints as it closes
 
     def _send(self, msg: dict[str, Any]) -> None:
         try:
@@ -220,6 +249,10 @@ class Loop:
             self.stopping = True
 
     def _close_all(self) -> None:
-        for job in self.running.values():
-            job.close()
+        for job_id, job in self.running.items():
+            self._close(job_id, job)
         self.running.clear()
+
+
+_FINISHED = object()  # a job's generator is exhausted
+STATS_EVERY = 0.5  # seconds between two stats messages

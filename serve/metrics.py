@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 TOKEN_GAP = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2, 2.5)
 BYTES = (2**20, 2**22, 2**24, 2**26, 2**28, 2**30, 2**32)
+ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64, 128, 256, 512, 1024, 2048)
 
 
 class Metrics:
@@ -49,3 +50,18 @@ class Metrics:
                               ["code"], registry=r)
         self.requests = Counter("kvstore:request_success_total", "Requests finished, by finish reason",
                                 ["finished_reason"], registry=r)
+        self.step_sessions = Histogram("kvstore:batch_sessions_per_step",
+                                       "Sessions computed in one forward of an engine step (continuous batching)",
+                                       buckets=ROWS, registry=r)
+        self.step_tokens = Histogram("kvstore:batch_tokens_per_step",
+                                     "Tokens computed in one forward of an engine step, by kind: decode (one per "
+                                     "generating session) or prefill (prompt chunks)", ["kind"], buckets=ROWS, registry=r)
+
+    def engine_steps(self, msg) -> None:
+        """An engine's `stats` message: its forwards since the last one."""
+        for sessions, decode, prefill in msg["steps"]:
+            self.step_sessions.observe(sessions)
+            if decode:
+                self.step_tokens.labels("decode").observe(decode)
+            if prefill:
+                self.step_tokens.labels("prefill").observe(prefill)

@@ -156,6 +156,9 @@ class Pool:
             worker.ready.set()
             log.info("engine %d ready (pid %d)", worker.index, msg["pid"])
             return
+        if kind == "stats":
+            self.metrics.engine_steps(msg)
+            return
         job = self.jobs.get(msg.get("id", ""))
         if job is None or job.finished:
             return

@@ -1,0 +1,171 @@
+"""Continuous batching: the model calls of every running job meet in one forward per engine step.
+
+Each job runs in a greenlet of its own. Its session calls the model as the library always does
+(`feed` a prompt chunk or the last sampled token, then `head`); through `BatchedModel` such a call
+hands the request to the engine loop's greenlet and waits. Once every job of the round has either
+finished its step or asked the model, the loop answers the requests together: one `Model.feed_rows`
+over all the decode tokens and as many prompt chunks as the step's token budget holds (the other
+chunks wait for the next step, in order of arrival), then one `Model.head` over every final state
+that asked for logits. A chunk is never cut: its bounds are the session's own (absolute multiples of
+its chunk size), so a prompt read in company is read in exactly the library's kernel calls.
+
+The bits (contract C9): `feed_rows` gives every item what `feed` gives it alone, and the head's
+rows are computed alone too, so a session's tokens and logits are the library's whatever runs
+beside it. A call made outside the loop's greenlets (warm-up, tests) goes straight to the model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from greenlet import GreenletExit, getcurrent, greenlet
+
+
+@dataclass
+class Request:
+    kind: str  # "feed" or "head"
+    args: tuple
+    arrived: int  # the round it was made in: prompt chunks are served first come, first served
+
+    @property
+    def rows(self) -> int:
+        return len(self.args[0]) if self.kind == "feed" else 1
+
+
+class BatchedModel:
+    """A model whose `feed` and `head`, called from a job's greenlet, wait for the loop's next batch;
+    everything else is the model's own."""
+
+    def __init__(self, model, batcher: "Batcher"):
+        self._model, self._batcher = model, batcher
+
+    def __getattr__(self, name: str):
+        return getattr(self._model, name)
+
+    def feed(self, ids, pos, cache):
+        return self._batcher.call("feed", (list(ids), pos, cache), lambda: self._model.feed(ids, pos, cache))
+
+    def head(self, hidden):
+        return self._batcher.call("head", (hidden,), lambda: self._model.head(hidden))
+
+
+@dataclass
+class Step:
+    """What one engine step's forward fed (the metrics'): sessions, decode tokens, prompt tokens."""
+    sessions: int = 0
+    decode_rows: int = 0
+    prefill_rows: int = 0
+
+
+class Batcher:
+    def __init__(self, model, step_tokens: int):
+        self.model, self.step_tokens = model, step_tokens
+        self.hub: greenlet | None = None  # the loop's greenlet while it runs jobs
+        self.round = 0
+        self.waiting: dict[str, tuple[greenlet, Request]] = {}  # jobs asking the model, their greenlets
+
+    def abandon(self, job: str) -> None:
+        """A job cancelled while it waits for the model: its call raises GreenletExit, so its session
+        closes its generator as on any interruption (a checkpoint)."""
+        entry = self.waiting.pop(job, None)
+        if entry is not None:
+            self.hub, hub = getcurrent(), self.hub
+            try:
+                entry[0].throw(GreenletExit)
+            finally:
+                self.hub = hub
+
+    def call(self, kind: str, args: tuple, direct: Callable[[], Any]):
+        me = getcurrent()
+        if self.hub is None or me.parent is not self.hub:
+            return direct()
+        answer = self.hub.switch(Request(kind, args, self.round))
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer
+
+    def run(self, steps: dict[str, Callable[[], Any]]) -> tuple[dict[str, Any], Step]:
+        """Advance each job by one step (`steps[id]()` returns its next event) with their model calls
+        batched; returns each finished job's event (or the exception it raised) and what ran. A job
+        whose prompt chunk did not fit this step's budget is left waiting in its greenlet (`waiting`)."""
+        self.hub, self.round = getcurrent(), self.round + 1
+        try:
+            return self._run(steps)
+        finally:
+            self.hub = None
+
+    def _run(self, steps: dict[str, Callable[[], Any]]) -> tuple[dict[str, Any], Step]:
+        done: dict[str, Any] = {}
+        step = Step()
+        # jobs still waiting from an earlier step (a prompt chunk the budget left out) keep their request
+        runnable = {job: (self._task(fn), _START) for job, fn in steps.items() if job not in self.waiting}
+        fed = False
+        while runnable or (not fed and any(r.kind == "feed" for _, r in self.waiting.values())):
+            asked: dict[str, tuple[greenlet, Request]] = {}
+            for job, (task, answer) in runnable.items():
+                out = task.switch() if answer is _START else task.switch(answer)
+                if task.dead:
+                    done[job] = out
+                else:
+                    asked[job] = (task, out)
+            self.waiting.update(asked)
+            runnable = self._answer_heads()
+            if not runnable and not fed:
+                runnable, fed = self._answer_feeds(step), True
+        return done, step
+
+    @staticmethod
+    def _task(fn: Callable[[], Any]) -> greenlet:
+        def body():
+            try:
+                return fn()
+            except BaseException as e:  # noqa: BLE001 -- handed to the loop, which closes the job
+                return e
+        return greenlet(body)
+
+    def _answer_heads(self) -> dict[str, tuple[greenlet, Any]]:
+        heads = {job: (task, r) for job, (task, r) in self.waiting.items() if r.kind == "head"}
+        if not heads:
+            return {}
+        for job in heads:
+            del self.waiting[job]
+        import torch
+
+        try:
+            logits = self.model.head(torch.stack([r.args[0] for _, r in heads.values()]))
+            return {job: (task, logits[i]) for i, (job, (task, _)) in enumerate(heads.items())}
+        except Exception as e:  # noqa: BLE001 -- every asker gets it
+            return {job: (task, e) for job, (task, _) in heads.items()}
+
+    def _answer_feeds(self, step: Step) -> dict[str, tuple[greenlet, Any]]:
+        feeds = sorted(((job, task, r) for job, (task, r) in self.waiting.items() if r.kind == "feed"),
+                       key=lambda f: (f[2].rows > 1, f[2].arrived))
+        chosen, rows = [], 0
+        for job, task, r in feeds:  # every decode token, then prompt chunks while the budget holds
+            if r.rows > 1 and chosen and rows + r.rows > self.step_tokens:
+                continue
+            chosen.append((job, task, r))
+            rows += r.rows
+        if not chosen:
+            return {}
+        for job, _, _ in chosen:
+            del self.waiting[job]
+        step.sessions = len(chosen)
+        step.decode_rows += sum(1 for _, _, r in chosen if r.rows == 1)
+        step.prefill_rows += sum(r.rows for _, _, r in chosen if r.rows > 1)
+        try:
+            hidden = self.model.feed_rows([r.args for _, _, r in chosen])
+            return {job: (task, hidden[i]) for i, (job, task, _) in enumerate(chosen)}
+        except Exception:  # noqa: BLE001 -- one item's error (its context, its cache) must not fail the others
+            return {job: (task, _alone(self.model, r)) for job, task, r in chosen}
+
+
+_START = object()  # a new step: its greenlet starts with no answer
+
+
+def _alone(model, r: Request):
+    try:
+        return model.feed(*r.args)
+    except Exception as e:  # noqa: BLE001
+        return e

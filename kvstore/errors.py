@@ -39,6 +39,10 @@ class BuildError(KvstoreError):
     model then runs on torch's kernels (`kvstore.engine.native` warns once)."""
 
 
+class PoolFull(KvstoreError):
+    """The KV memory budget cannot hold what a sequence needs, even after evicting every idle one."""
+
+
 # -- arguments ---------------------------------------------------------------------------------
 class InvalidArgument(KvstoreError, ValueError):
     """A value given to the library is out of its range (a chunk size of 0, a fork past the end, a

@@ -25,7 +25,6 @@ from typing import Any, Callable, Iterator
 
 from .commit import Change, Head, commit, hidden_bytes
 from .defaults import DEFAULT_MAX_NEW_TOKENS
-from .engine.cache import with_room
 from .engine.chat import turn_ids
 from .engine.sampling import SamplerSettings
 from .engine.sequence import Sequence, TokenEvent
@@ -362,9 +361,7 @@ class Session:
             child = fork_rows(db, db.get(SessionRow, self.id), name, at)
             messages = read_messages(db, child.id)
         lock = SessionLock(self.store.session_dir(child.id), name).acquire()
-        cache = self.model.new_cache(capacity=with_room(child.n_cached))
-        if child.n_cached:
-            cache.load(0, self.seq.cache.state(0, child.n_cached))
+        cache = self.seq.cache.copy_prefix(child.n_cached)  # a paged cache shares its whole blocks
         hidden = self.seq.hidden if child.n_cached == child.n_tokens else None  # a fork at the head
         seq = Sequence(self.model, cache, self.seq.tokens[:child.n_tokens], chunk_size=self.seq.chunk_size,
                        hidden=hidden)

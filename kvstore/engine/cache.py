@@ -143,6 +143,14 @@ class KVCache:
             buf[start:start + n].copy_(part, non_blocking=False)
         self.length = start + n
 
+    def copy_prefix(self, n: int) -> "KVCache":
+        """A new cache holding this one's first n positions (copied), with room to grow (a fork's)."""
+        cache = KVCache(self.n_layers, self.n_kv_heads, self.head_dim, dtype=self.dtype, device=self.device,
+                        capacity=with_room(n))
+        if n:
+            cache.load(0, self.state(0, n))
+        return cache
+
     @classmethod
     def from_state(cls, layers: list[torch.Tensor], *, device: torch.device | str | None = None) -> "KVCache":
         first = layers[0]

@@ -1,0 +1,210 @@
+"""Paged KV memory: many sequences' caches in fixed-size blocks of one pool (vLLM's PagedAttention
+layout, on the CPU), under a memory budget.
+
+- `BlockPool(model shape, n_blocks, block_tokens)`: per layer one tensor `[n_blocks, block_tokens,
+  2, n_kv_heads, head_dim]`; blocks are handed out and reference-counted (forks share the blocks of
+  their common prefix). When too few are free, `on_full(needed)` is asked to free some (a server
+  evicts idle sessions: they are checkpointed, eviction writes nothing); if it cannot, `PoolFull`.
+- `PagedCache(pool)`: one sequence's cache through its block table (position p lives in block
+  `table[p // block_tokens]`, slot `p % block_tokens`), speaking KVCache's protocol (`write`,
+  `reserve`, `filling`, `load`, `state`, `trim`, `release`, `length`), so a session, the store's
+  restore and the model use it as they use a `KVCache`. `copy_prefix(n)` is a fork's cache: the
+  full blocks of the first n positions shared, the partial one copied. A write into a shared block
+  copies it first (a trimmed position fed again must not change another sequence's bytes).
+
+Paging changes no bit: attention reads exactly the rows a contiguous cache holds, in the same
+layout (`gather`: `[L, 2, n_kv, hd]`, the strides of `KVCache.layers[i][:L]`), and the native
+attention kernel reads them through the block table (`table_tensor`).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Callable, Iterator
+
+import torch
+
+from ..errors import PoolFull
+from .cache import POOL
+
+BLOCK_TOKENS = 16  # positions per block: a multiple of the attention kernel's key group
+
+
+class BlockPool:
+    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, *, dtype: torch.dtype, n_blocks: int,
+                 block_tokens: int = BLOCK_TOKENS, device: torch.device | str = "cpu"):
+        if n_blocks < 1:
+            raise PoolFull("the KV memory budget holds no block; give it more memory")
+        self.n_layers, self.n_kv_heads, self.head_dim = n_layers, n_kv_heads, head_dim
+        self.dtype, self.device, self.block_tokens, self.n_blocks = dtype, torch.device(device), block_tokens, n_blocks
+        shape = (n_blocks, block_tokens, 2, n_kv_heads, head_dim)
+        with torch.inference_mode(False):  # written by forwards under inference mode, read across them
+            self.layers = [torch.empty(shape, dtype=dtype, device=self.device) for _ in range(n_layers)]
+        self.refs = [0] * n_blocks
+        self.free_ids = list(range(n_blocks - 1, -1, -1))  # a stack: the lowest ids first
+        self.on_full: Callable[[int], None] | None = None  # asked to free blocks when too few are left
+
+    @classmethod
+    def for_budget(cls, n_layers: int, n_kv_heads: int, head_dim: int, *, dtype: torch.dtype, budget_bytes: int,
+                   block_tokens: int = BLOCK_TOKENS, device="cpu") -> "BlockPool":
+        per_block = n_layers * block_tokens * 2 * n_kv_heads * head_dim * dtype.itemsize
+        return cls(n_layers, n_kv_heads, head_dim, dtype=dtype, n_blocks=budget_bytes // per_block,
+                   block_tokens=block_tokens, device=device)
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block, every layer."""
+        return self.n_layers * self.layers[0][0].numel() * self.dtype.itemsize
+
+    @property
+    def used(self) -> int:
+        return self.n_blocks - len(self.free_ids)
+
+    def alloc(self, n: int) -> list[int]:
+        if n > len(self.free_ids) and self.on_full is not None:
+            self.on_full(n - len(self.free_ids))
+        if n > len(self.free_ids):
+            raise PoolFull(f"the KV memory holds {self.n_blocks:,} blocks of {self.block_tokens} tokens "
+                           f"({self.n_blocks * self.block_bytes / 2**20:,.0f} MiB), {len(self.free_ids):,} free, and "
+                           f"{n:,} more are needed; give the server more KV memory (--kv-memory) or use a shorter context")
+        ids = [self.free_ids.pop() for _ in range(n)]
+        for i in ids:
+            self.refs[i] = 1
+        return ids
+
+    def share(self, ids: list[int]) -> None:
+        for i in ids:
+            self.refs[i] += 1
+
+    def free(self, ids: list[int]) -> None:
+        for i in ids:
+            self.refs[i] -= 1
+            if self.refs[i] == 0:
+                self.free_ids.append(i)
+
+    def flat(self, layer: int) -> torch.Tensor:
+        """Layer `layer` as rows `[n_blocks * block_tokens, 2, n_kv, hd]` (a view)."""
+        return self.layers[layer].view(-1, 2, self.n_kv_heads, self.head_dim)
+
+
+class PagedCache:
+    def __init__(self, pool: BlockPool, capacity: int = 0):
+        self.pool = pool
+        self.n_layers, self.n_kv_heads, self.head_dim = pool.n_layers, pool.n_kv_heads, pool.head_dim
+        self.dtype, self.device = pool.dtype, pool.device
+        self.table: list[int] = []
+        self._rows: torch.Tensor | None = None  # flat row index of every position the table covers
+        self.length = 0
+        self.reserve(capacity)
+
+    @property
+    def capacity(self) -> int:
+        return len(self.table) * self.pool.block_tokens
+
+    @property
+    def token_shape(self) -> tuple[int, int, int]:
+        return (2, self.n_kv_heads, self.head_dim)
+
+    def table_tensor(self) -> torch.Tensor:
+        """The block table as int32 `[n_blocks]` (the native attention kernel's)."""
+        return torch.tensor(self.table, dtype=torch.int32)
+
+    def rows(self, start: int, end: int) -> torch.Tensor:
+        """Flat pool row of each position start..end-1 (int64 `[end - start]`)."""
+        if self._rows is None or self._rows.shape[0] < self.capacity:
+            bs = self.pool.block_tokens
+            blocks = torch.tensor(self.table, dtype=torch.int64)
+            self._rows = (blocks[:, None] * bs + torch.arange(bs)).reshape(-1)
+        return self._rows[start:end]
+
+    def reserve(self, n_tokens: int) -> None:
+        """Blocks for `n_tokens` positions in total."""
+        need = -(-n_tokens // self.pool.block_tokens) - len(self.table)
+        if need > 0:
+            self.table += self.pool.alloc(need)
+            self._rows = None
+
+    def _own(self, start: int, end: int) -> None:
+        """Copy-on-write: the blocks of positions start..end-1 that another cache shares become this
+        cache's own copies before they are written."""
+        bs = self.pool.block_tokens
+        for b in range(start // bs, -(-end // bs)):
+            old = self.table[b]
+            if self.pool.refs[old] > 1:
+                (new,) = self.pool.alloc(1)
+                for layer in self.pool.layers:
+                    layer[new].copy_(layer[old])
+                self.pool.free([old])
+                self.table[b] = new
+                self._rows = None
+
+    def write(self, layer: int, pos: int, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """KVCache.write: rows `[T, 2, n_kv, hd]` at pos..pos+T-1 of `layer`; K and V of positions
+        0..pos+T-1 as `[1, n_kv, pos+T, hd]` (gathered: a copy, laid out as a contiguous cache's)."""
+        end = pos + kv.shape[0]
+        if layer == 0:
+            self.reserve(end)
+            self._own(pos, end)
+        flat = self.pool.flat(layer)
+        flat.index_copy_(0, self.rows(pos, end), kv)
+        if layer == self.n_layers - 1:
+            self.length = end
+        rows = self.gather(layer, end)  # [end, 2, n_kv, hd]
+        return rows[:, 0].transpose(0, 1).unsqueeze(0), rows[:, 1].transpose(0, 1).unsqueeze(0)
+
+    def gather(self, layer: int, end: int, start: int = 0) -> torch.Tensor:
+        """Positions start..end-1 of `layer` as contiguous rows `[end - start, 2, n_kv, hd]` (a copy)."""
+        return self.pool.flat(layer).index_select(0, self.rows(start, end))
+
+    @contextmanager
+    def filling(self, end: int) -> Iterator[list[torch.Tensor]]:
+        """KVCache.filling: per layer rows `[end - length, 2, n_kv, hd]` to fill (a reused buffer),
+        copied into the blocks when the block exits without an error."""
+        start = self.length
+        self.reserve(end)
+        per_layer = (end - start) * 2 * self.n_kv_heads * self.head_dim * self.dtype.itemsize
+        buffers = [POOL.borrow(per_layer) for _ in range(self.n_layers)]
+        try:
+            rows = [b[:per_layer].view(self.dtype).view(end - start, *self.token_shape) for b in buffers]
+            yield rows
+            self._own(start, end)
+            for i, r in enumerate(rows):
+                self.pool.flat(i).index_copy_(0, self.rows(start, end), r)
+            self.length = end
+        finally:
+            POOL.give(*buffers)
+
+    def load(self, start: int, layers: list[torch.Tensor]) -> None:
+        assert start == self.length, "ranges load in order"
+        end = start + layers[0].shape[0]
+        self.reserve(end)
+        self._own(start, end)
+        for i, part in enumerate(layers):
+            self.pool.flat(i).index_copy_(0, self.rows(start, end), part.to(self.device))
+        self.length = end
+
+    def state(self, start: int = 0, end: int | None = None) -> list[torch.Tensor]:
+        """Per layer the K/V of positions start..end-1 `[end - start, 2, n_kv, hd]` (copies)."""
+        end = self.length if end is None else end
+        assert 0 <= start <= end <= self.length, (start, end, self.length)
+        return [self.gather(i, end, start) for i in range(self.n_layers)]
+
+    def trim(self, n: int) -> None:
+        self.length = min(self.length, max(n, 0))
+
+    def copy_prefix(self, n: int) -> "PagedCache":
+        """A new cache holding this one's first n positions: whole blocks shared, the last one copied."""
+        assert 0 <= n <= self.length
+        bs = self.pool.block_tokens
+        child = PagedCache(self.pool)
+        shared = self.table[:n // bs]
+        self.pool.share(shared)
+        child.table, child.length = list(shared), len(shared) * bs
+        if n % bs:
+            child.load(len(shared) * bs, [self.gather(i, n, len(shared) * bs) for i in range(self.n_layers)])
+        child.length = n
+        return child
+
+    def release(self) -> None:
+        self.pool.free(self.table)
+        self.table, self._rows, self.length = [], None, 0

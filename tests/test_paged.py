@@ -1,0 +1,102 @@
+"""Paged KV memory (kvstore/engine/paged.py): paging changes no bit, forks share blocks, budgets hold.
+
+- A sequence fed through a `PagedCache` (prefill chunks, then decode steps) gives the bits a
+  contiguous `KVCache` gives: logits and every K/V byte, whatever blocks it got in the pool.
+- `copy_prefix` shares whole blocks and copies the partial one; writing a trimmed position again in
+  a shared block copies it first, so the other sequence's bytes never change.
+- The store restores a session into a paged cache, and checkpoints from one, byte for byte.
+- A full pool asks `on_full` to free blocks, and says what to do when it cannot.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvstore
+from engine_models import Q
+from kvstore.engine.paged import BlockPool, PagedCache
+from kvstore.errors import PoolFull
+
+
+def pool_for(model, n_blocks: int = 64) -> BlockPool:
+    c = model.config
+    return BlockPool(c.n_layers, c.n_kv_heads, c.head_dim, dtype=model.dtype, n_blocks=n_blocks)
+
+
+@pytest.fixture(scope="module", params=["dense-f32", "stored-bf16"])
+def model(request, tiny):
+    m = tiny("llama-gqa")
+    if request.param == "dense-f32":
+        return kvstore.load_model(m.folder, dtype="float32")
+    return kvstore.load_model(m.gguf(Q.Q4_1)[0], dtype="bfloat16", weights="stored")
+
+
+def run(model, cache, ids: list[int]) -> list[torch.Tensor]:
+    """Prefill in chunks of 8 (20 tokens), then 10 decode steps: every logits row."""
+    out = [model.forward(ids[a:min(a + 8, 20)], a, cache) for a in range(0, 20, 8)]
+    return out + [model.forward(ids[p:p + 1], p, cache) for p in range(20, 30)]
+
+
+def test_a_paged_sequence_computes_the_contiguous_ones_bits(model, tiny):
+    ids = tiny("llama-gqa").ids(30)
+    pool = pool_for(model)
+    pool.alloc(5)  # the sequence's blocks do not start at 0, nor follow each other: others hold some
+    paged, flat = PagedCache(pool), model.new_cache()
+    for a, b in zip(run(model, paged, ids), run(model, flat, ids)):
+        assert torch.equal(a, b)
+    assert paged.length == flat.length == 30 and paged.table != list(range(len(paged.table)))
+    assert all(torch.equal(a, b) for a, b in zip(paged.state(), flat.state()))
+    assert all(torch.equal(a, b) for a, b in zip(paged.state(7, 23), flat.state(7, 23)))
+
+
+def test_a_fork_shares_whole_blocks_and_a_write_into_a_shared_block_copies_it(model, tiny):
+    ids = tiny("llama-gqa").ids(40)
+    pool = pool_for(model)
+    parent = PagedCache(pool)
+    run(model, parent, ids)  # 30 positions: blocks [0,16) [16,30)
+    before = pool.used
+    child = parent.copy_prefix(20)
+    assert child.table[0] == parent.table[0] and child.table[1] != parent.table[1]
+    assert pool.used == before + 1 and pool.refs[parent.table[0]] == 2
+    assert all(torch.equal(a, b) for a, b in zip(child.state(), parent.state(0, 20)))
+    kept = [s.clone() for s in parent.state()]
+    child.trim(10)  # position 10 lies in the shared block: feeding it again must not touch the parent's
+    model.forward(ids[10:11], 10, child)
+    assert child.table[0] != parent.table[0] and pool.refs[parent.table[0]] == 1
+    assert all(torch.equal(a, b) for a, b in zip(parent.state(), kept))
+    child.release()
+    parent.release()
+    assert pool.used == 0
+
+
+def test_the_store_restores_into_and_checkpoints_from_a_paged_cache(model, tiny, tmp_path):
+    from kvstore.store.extents import load_into, session_extents
+
+    ids = tiny("llama-gqa").ids(45)
+    store = kvstore.open_store(tmp_path / "home")
+    with store.new("s", model, seed=1, chunk_size=8) as s:
+        s.append_tokens(ids)
+        expected = s.seq.cache.state()
+    with store.db() as db:
+        refs = session_extents(db, store.row(db, "s").id)
+    paged = PagedCache(pool_for(model))
+    load_into(paged, refs, store.home, session="s")
+    assert paged.length == 45 and all(torch.equal(a, b) for a, b in zip(paged.state(), expected))
+    store.close()
+
+
+def test_a_full_pool_asks_for_room_then_says_what_to_do(model):
+    pool = pool_for(model, n_blocks=4)
+    freed = []
+    holder = PagedCache(pool, capacity=3 * pool.block_tokens)
+
+    def make_room(needed: int) -> None:
+        freed.append(needed)
+        holder.release()
+
+    pool.on_full = make_room
+    big = PagedCache(pool, capacity=4 * pool.block_tokens)  # needs 4, 1 free: holder is evicted
+    assert freed == [3] and len(big.table) == 4
+    with pytest.raises(PoolFull, match="--kv-memory"):
+        PagedCache(pool, capacity=pool.block_tokens)

@@ -6,7 +6,8 @@ The public API, everything the front ends (`kvstore_cli`, the coming service) us
   history, fork, delete, export, import_, pack, verify, gc), `SessionInfo`, `SessionPage`;
 - `load_model(spec) -> Model`, `load_tokenizer(spec)`, `pull(alias)`, `models_dir()`;
 - the engine pieces for those who drive generation themselves: `Sequence`, `TokenEvent`,
-  `SamplerSettings`, `KVCache`, `StreamDecoder`;
+  `SamplerSettings`, `KVCache`, `StreamDecoder`; `BlockPool` and `PagedCache` (many sequences'
+  KV in one paged memory budget, as `kvstore serve` keeps them);
 - the defaults: DEFAULT_MODEL, DEFAULT_DTYPE, DTYPE_NAMES, WEIGHT_FORMATS, DEFAULT_CHUNK, DEFAULT_MAX_NEW_TOKENS,
   DEFAULT_CHECKPOINT_EVERY;
 - `errors` (every error derives from `errors.KvstoreError`), `native_will_build()`.
@@ -28,6 +29,7 @@ _WHERE = {
     "load_model": "engine.model", "load_tokenizer": "engine.model", "Model": "engine.model",
     "models_dir": "engine.pull", "KVCache": "engine.cache", "Sequence": "engine.sequence",
     "TokenEvent": "engine.sequence", "SamplerSettings": "engine.settings", "StreamDecoder": "engine.tokenizer",
+    "BlockPool": "engine.paged", "PagedCache": "engine.paged",
     "native_will_build": "engine.native",
     **{name: "defaults" for name in ("DEFAULT_MODEL", "DEFAULT_DTYPE", "DTYPE_NAMES", "WEIGHT_FORMATS", "DEFAULT_CHUNK",
                                      "DEFAULT_MAX_NEW_TOKENS", "DEFAULT_CHECKPOINT_EVERY")},

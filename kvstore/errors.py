@@ -40,7 +40,12 @@ class BuildError(KvstoreError):
 
 
 class PoolFull(KvstoreError):
-    """The KV memory budget cannot hold what a sequence needs, even after evicting every idle one."""
+    """The KV memory budget cannot hold what a sequence needs now, even after evicting every idle
+    sequence (the others are busy): it may later."""
+
+
+class PoolTooSmall(PoolFull):
+    """One sequence alone needs more KV memory than the whole budget."""
 
 
 # -- arguments ---------------------------------------------------------------------------------

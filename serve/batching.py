@@ -37,11 +37,15 @@ class BatchedModel:
     """A model whose `feed` and `head`, called from a job's greenlet, wait for the loop's next batch;
     everything else is the model's own."""
 
-    def __init__(self, model, batcher: "Batcher"):
-        self._model, self._batcher = model, batcher
+    def __init__(self, model, batcher: "Batcher", new_cache: Callable[[], Any] | None = None):
+        self._model, self._batcher, self._new_cache = model, batcher, new_cache
 
     def __getattr__(self, name: str):
         return getattr(self._model, name)
+
+    def new_cache(self, capacity: int = 0):
+        """A cache in the engine's paged KV memory (blocks taken as positions are written), when it has one."""
+        return self._model.new_cache(capacity) if self._new_cache is None else self._new_cache()
 
     def feed(self, ids, pos, cache):
         return self._batcher.call("feed", (list(ids), pos, cache), lambda: self._model.feed(ids, pos, cache))

@@ -50,8 +50,15 @@ def is_loopback(host: str) -> bool:
               help="Requests that may wait for their session or an engine; beyond: 429 with Retry-After.")
 @click.option("--max-running", default=8, show_default=True, type=click.IntRange(1, 1024),
               help="Requests one engine runs at once, their tokens interleaved.")
-@click.option("--max-open", default=16, show_default=True, type=click.IntRange(1, 100000),
-              help="Sessions an engine keeps in memory between requests (least recently used closed first).")
+@click.option("--kv-memory", default="2GiB", show_default=True, metavar="SIZE",
+              help="KV memory of the sessions held open, in blocks of 16 tokens, shared out among the engines; when "
+                   "it is full the least recently used idle session is evicted (it is on disk already) and restored "
+                   "on its next request.")
+@click.option("--step-tokens", default=512, show_default=True, type=click.IntRange(1, 1 << 20),
+              help="Tokens one engine step computes at most: every generating session's next token, then whole "
+                   "prompt chunks of reading sessions while they fit.")
+@click.option("--max-open", default=100000, show_default=True, type=click.IntRange(1, 10**9),
+              help="Sessions an engine keeps in memory between requests, at most (least recently used closed first).")
 @click.option("--max-tokens", default=4096, show_default=True, type=click.IntRange(1, 10**7),
               help="The most tokens a request may generate (also the default).")
 @click.option("--max-body", default=8 * 2**20, show_default=True, type=click.IntRange(1024, 2**40),
@@ -70,7 +77,7 @@ def is_loopback(host: str) -> bool:
               help="One line per request: key=value text, or a JSON object.")
 @click.pass_obj
 def serve(app, host, port, model, served_model_name, dtype, weights, workers, threads, api_key_file, allow_unauthenticated,
-          max_queue, max_running, max_open, max_tokens, max_body, max_import, chunk_size, checkpoint_every, grace,
+          max_queue, max_running, kv_memory, step_tokens, max_open, max_tokens, max_body, max_import, chunk_size, checkpoint_every, grace,
           keep_alive, log_format):
     """Serve the store over HTTP: an OpenAI-compatible API.
 
@@ -84,7 +91,13 @@ def serve(app, host, port, model, served_model_name, dtype, weights, workers, th
     "session" in the body); a stream that broke is finished by resending the request
     with Last-Event-ID.
     """
+    from .config import parse_size
     from .tenants import read_keys
+
+    try:
+        memory = parse_size(kv_memory)
+    except ValueError as e:
+        raise click.UsageError(f"--kv-memory: {e}") from None
 
     try:
         keys = read_keys(api_key_file, os.environ.get("KVSTORE_API_KEYS"))
@@ -96,11 +109,12 @@ def serve(app, host, port, model, served_model_name, dtype, weights, workers, th
         raise click.UsageError(f"--host {host} is reachable from other machines and no API keys are set: pass "
                                "--api-key-file (or $KVSTORE_API_KEYS), or --allow-unauthenticated to serve it open")
     config = ServeConfig(home=getattr(app, "home", None), index=getattr(app, "index", None), model=model,
-                         model_id=served_model_name, dtype=dtype, weights=weights, host=host, port=port, workers=workers,
-                         threads=threads, api_keys=keys, allow_open=allow_unauthenticated, max_queue=max_queue,
-                         max_running=max_running, max_open=max_open, max_tokens=max_tokens, max_body=max_body,
-                         max_import=max_import, chunk_size=chunk_size, checkpoint_every=checkpoint_every,
-                         grace=grace, keep_alive=keep_alive, log_format=log_format)
+                         model_id=served_model_name, dtype=dtype, weights=weights, host=host, port=port,
+                         workers=workers, threads=threads, api_keys=keys, allow_open=allow_unauthenticated,
+                         max_queue=max_queue, max_running=max_running, max_open=max_open, kv_memory=memory,
+                         step_tokens=step_tokens, max_tokens=max_tokens, max_body=max_body, max_import=max_import,
+                         chunk_size=chunk_size, checkpoint_every=checkpoint_every, grace=grace,
+                         keep_alive=keep_alive, log_format=log_format)
     run(config)
 
 

@@ -6,6 +6,23 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+UNITS = {"": 1, "B": 1, "K": 10**3, "KB": 10**3, "KIB": 2**10, "M": 10**6, "MB": 10**6, "MIB": 2**20,
+         "G": 10**9, "GB": 10**9, "GIB": 2**30, "T": 10**12, "TB": 10**12, "TIB": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """"2GiB", "512MiB", "1.5G", "100000" -> bytes; ValueError saying what is accepted."""
+    t = text.strip().upper().replace(" ", "")
+    number = t.rstrip("BIKMGT")
+    unit = t[len(number):]
+    try:
+        value = float(number)
+    except ValueError:
+        value = -1.0
+    if unit not in UNITS or value <= 0:
+        raise ValueError(f"{text!r} is not a size: write a number with an optional unit, e.g. 2GiB, 512MiB, 1.5G")
+    return int(value * UNITS[unit])
+
 
 @dataclass
 class ServeConfig:
@@ -23,7 +40,9 @@ class ServeConfig:
     allow_open: bool = False  # serve a non-loopback address without keys
     max_queue: int = 64  # requests that may wait; beyond: 429
     max_running: int = 8  # requests running at once on one engine (their decode steps interleave)
-    max_open: int = 16  # sessions an engine keeps open (cache in memory) between requests
+    max_open: int = 100000  # sessions an engine keeps open between requests (besides the KV memory's bound)
+    kv_memory: int = 2 * 2**30  # bytes of paged KV memory, shared out among the engines
+    step_tokens: int = 512  # tokens one engine step's forward computes at most (decode rows + prompt chunks)
     max_body: int = 8 * 2**20  # bytes of a request body; beyond: 413 (imports: max_import)
     max_import: int = 4 * 2**30
     max_tokens: int = 4096  # the most a request may generate; the default too, within the context
@@ -38,6 +57,9 @@ class ServeConfig:
             return self.model_id
         path = Path(self.model)
         return path.stem if path.suffix == ".gguf" else path.name if os.sep in self.model else self.model
+
+    def engine_kv_memory(self) -> int:
+        return self.kv_memory // max(1, self.workers)
 
     def engine_threads(self) -> int:
         if self.threads:

@@ -33,13 +33,23 @@ jobs.KINDS.update(conversations.KINDS)  # the Responses and Conversations APIs' 
 class Engine:
     """The model, the store and the sessions this engine has open."""
 
-    def __init__(self, store, model, *, max_open: int = 16, busy_wait: float = 10.0, step_tokens: int = 512):
+    def __init__(self, store, model, *, max_open: int = 16, busy_wait: float = 10.0, step_tokens: int = 512,
+                 kv_memory: int | None = None):
         self.batcher = Batcher(model, step_tokens)
-        # the sessions' model: its feed and head calls wait for the step's batch (batching.py)
-        self.model = BatchedModel(model, self.batcher)
+        cfg = model.config
+        self.pool = None if kv_memory is None else kvstore.BlockPool.for_budget(
+            cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, dtype=model.dtype, budget_bytes=kv_memory, device=model.device)
+        if self.pool is not None:
+            self.pool.on_full = self.evict
+        # the sessions' model: its feed and head calls wait for the step's batch (batching.py), its
+        # caches live in the paged KV memory
+        self.model = BatchedModel(model, self.batcher,
+                                  None if self.pool is None else lambda: kvstore.PagedCache(self.pool))
         self.store, self.max_open, self.busy_wait = store, max_open, busy_wait
         self.sessions: OrderedDict[str, Any] = OrderedDict()
-        cfg = model.config
+        self.busy: dict[str, str] = {}  # job id -> the session it runs on (never evicted while it runs)
+        self.index = 0  # this engine's number among the server's
+        self.evictions = 0
         self.token_bytes = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * model.dtype.itemsize
 
     def writer(self, name: str, *, create: dict[str, Any] | None = None, wait: bool = False):
@@ -77,9 +87,9 @@ class Engine:
     def _keep(self, name: str, session) -> None:
         session.prefill_yields = True  # a long prompt's chunks interleave with other sessions' tokens
         self.sessions[name] = session
-        while len(self.sessions) > self.max_open:
-            _, oldest = self.sessions.popitem(last=False)
-            oldest.close()
+        in_use = set(self.busy.values()) | {name}
+        for old in [n for n in self.sessions if n not in in_use][:max(0, len(self.sessions) - self.max_open)]:
+            self.forget(old)
 
     def branch(self, session, at: int):
         """A session of the same name that holds `session`'s first `at` positions (a fork; a new
@@ -112,12 +122,27 @@ class Engine:
         if name in self.sessions:
             self.sessions[name].checkpoint("serve")
 
+    def evict(self, blocks: int) -> None:
+        """Free at least `blocks` blocks of KV memory (or as many as can be): close the least recently
+        used sessions no job runs on. They were checkpointed when their last job ended, so nothing is
+        written; their next request restores them from the store."""
+        in_use = set(self.busy.values())
+        for name in [n for n in self.sessions if n not in in_use]:  # the least recently used first
+            before = len(self.pool.free_ids)
+            self.forget(name)
+            self.evictions += 1
+            blocks -= len(self.pool.free_ids) - before
+            if blocks <= 0:
+                return
+
     def forget(self, name: str) -> None:
         session = self.sessions.pop(name, None)
         if session is not None:
             session.close()
 
     def resident(self) -> dict[str, int]:
+        if self.pool is not None:
+            return {"resident_bytes": self.pool.used * self.pool.block_bytes}
         return {"resident_bytes": sum(s.n_cached for s in self.sessions.values()) * self.token_bytes}
 
     def close(self) -> None:
@@ -138,8 +163,10 @@ def main(conn, settings: dict[str, Any]) -> None:
     torch.set_num_threads(settings["threads"])
     store = kvstore.open_store(settings["home"], url=settings.get("index"))
     model = kvstore.load_model(settings["model"], dtype=settings.get("dtype"), weights=settings.get("weights"))
-    engine = Engine(store, model, max_open=settings.get("max_open", 16))
-    warm_up(model)
+    engine = Engine(store, model, max_open=settings.get("max_open", 16), step_tokens=settings.get("step_tokens", 512),
+                    kv_memory=settings.get("kv_memory"))
+    engine.index = settings.get("engine", 0)
+    warm_up(model, engine.pool)
     conn.send({"event": "ready", "pid": os.getpid(), "model": settings["model_id"],
                "max_context": model.config.max_context, "eos_ids": sorted(model.tokenizer.eos_ids)})
     try:
@@ -149,12 +176,16 @@ def main(conn, settings: dict[str, Any]) -> None:
         store.close()
 
 
-def warm_up(model, prompt_tokens: int = 64, steps: int = 2, cache_tokens: int = 4096) -> None:
+def warm_up(model, pool=None, prompt_tokens: int = 64, steps: int = 2, cache_tokens: int = 4096) -> None:
     """Run a prefill and a few decode steps on a scratch cache before saying ready, so that the first
     request does not pay for first touches (the weights' pages, the kernels' setup), and write every
     page of a cache of `cache_tokens` once: freed, it is the memory the first restored session
     fills (`KVCache`'s pool) instead of fresh pages, a fault per 4 KiB. It changes no bit of any
-    later run (the forward depends on its inputs only: tests/test_determinism_perf.py)."""
+    later run (the forward depends on its inputs only: tests/test_determinism_perf.py). The paged KV
+    memory is written once too, for the same reason."""
+    if pool is not None:
+        for layer in pool.layers:
+            layer.zero_()
     room = model.new_cache(capacity=min(cache_tokens, model.config.max_context))
     with room.filling(room.capacity) as rows:
         for layer in rows:
@@ -206,6 +237,7 @@ class Loop:
     def _handle(self, msg: dict[str, Any]) -> None:
         if msg["op"] == "run":
             self.running[msg["id"]] = jobs.run(self.engine, msg)
+            self.engine.busy[msg["id"]] = msg.get("session")
         elif msg["op"] == "cancel":
             job = self.running.pop(msg["id"], None)
             if job is not None:
@@ -222,6 +254,7 @@ class Loop:
                 raise event
             if event is _FINISHED:
                 del self.running[job_id]
+                self.engine.busy.pop(job_id, None)
                 continue
             if event["event"] == "prefill":
                 continue  # the job had its turn: one chunk of its prompt
@@ -234,12 +267,16 @@ class Loop:
         if step.sessions:
             self.steps.append((step.sessions, step.decode_rows, step.prefill_rows))
         if self.steps and time.monotonic() - self.stats_sent >= STATS_EVERY:
-            self._send({"event": "stats", "steps": self.steps})
-            self.steps, self.stats_sent = [], time.monotonic()
+            pool, engine = self.engine.pool, self.engine
+            kv = {} if pool is None else {"kv_used": pool.used, "kv_blocks": pool.n_blocks}
+            self._send({"event": "stats", "engine": engine.index, "steps": self.steps, "evictions": engine.evictions,
+                        **kv})
+            self.steps, self.stats_sent, engine.evictions = [], time.monotonic(), 0
 
     def _close(self, job_id: str, job) -> None:
         self.batcher.abandon(job_id)  # a job waiting for the model stops there
         job.close()  # the session's generator checkpoints as it closes
+        self.engine.busy.pop(job_id, None)
 
     def _send(self, msg: dict[str, Any]) -> None:
         try:

@@ -23,6 +23,8 @@ STATUS = [
     (errors.UnsupportedFormat, 400, "invalid_request_error", "unsupported_format"),
     (errors.CorruptData, 422, "invalid_request_error", "corrupt_data"),
     (errors.StoreFull, 507, "server_error", "store_full"),
+    (errors.PoolTooSmall, 400, "invalid_request_error", "kv_memory_exceeded"),
+    (errors.PoolFull, 503, "server_error", "kv_memory_full"),
     (errors.IndexBusy, 503, "server_error", "index_busy"),
     (errors.ModelError, 400, "invalid_request_error", "model_error"),
 ]

@@ -50,6 +50,11 @@ class Metrics:
                               ["code"], registry=r)
         self.requests = Counter("kvstore:request_success_total", "Requests finished, by finish reason",
                                 ["finished_reason"], registry=r)
+        self.kv_usage = Gauge("kvstore:kv_cache_usage_perc", "Fraction of an engine's paged KV memory in use",
+                              ["engine"], registry=r)
+        self.evictions = Counter("kvstore:kv_evictions_total",
+                                 "Idle sessions evicted from KV memory to make room (restored on their next request)",
+                                 registry=r)
         self.step_sessions = Histogram("kvstore:batch_sessions_per_step",
                                        "Sessions computed in one forward of an engine step (continuous batching)",
                                        buckets=ROWS, registry=r)
@@ -58,7 +63,10 @@ class Metrics:
                                      "generating session) or prefill (prompt chunks)", ["kind"], buckets=ROWS, registry=r)
 
     def engine_steps(self, msg) -> None:
-        """An engine's `stats` message: its forwards since the last one."""
+        """An engine's `stats` message: its forwards since the last one, its KV memory, its evictions."""
+        if "kv_blocks" in msg:
+            self.kv_usage.labels(str(msg["engine"])).set(msg["kv_used"] / msg["kv_blocks"])
+        self.evictions.inc(msg.get("evictions", 0))
         for sessions, decode, prefill in msg["steps"]:
             self.step_sessions.observe(sessions)
             if decode:

@@ -16,7 +16,7 @@ import torch
 import kvstore
 from engine_models import Q
 from kvstore.engine.paged import BlockPool, PagedCache
-from kvstore.errors import PoolFull
+from kvstore.errors import PoolFull, PoolTooSmall
 
 
 def pool_for(model, n_blocks: int = 64) -> BlockPool:
@@ -98,5 +98,7 @@ def test_a_full_pool_asks_for_room_then_says_what_to_do(model):
     pool.on_full = make_room
     big = PagedCache(pool, capacity=4 * pool.block_tokens)  # needs 4, 1 free: holder is evicted
     assert freed == [3] and len(big.table) == 4
-    with pytest.raises(PoolFull, match="--kv-memory"):
+    with pytest.raises(PoolFull, match="in use.*--kv-memory"):
         PagedCache(pool, capacity=pool.block_tokens)
+    with pytest.raises(PoolTooSmall, match="even alone"):
+        PagedCache(pool, capacity=5 * pool.block_tokens)

@@ -24,7 +24,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from ..errors import PoolFull
+from ..errors import PoolFull, PoolTooSmall
 from .cache import POOL
 
 BLOCK_TOKENS = 16  # positions per block: a multiple of the attention kernel's key group
@@ -60,13 +60,18 @@ class BlockPool:
     def used(self) -> int:
         return self.n_blocks - len(self.free_ids)
 
-    def alloc(self, n: int) -> list[int]:
+    def alloc(self, n: int, have: int = 0) -> list[int]:
+        """n more blocks for a sequence that holds `have`."""
+        if have + n > self.n_blocks:
+            raise PoolTooSmall(f"{(have + n) * self.block_tokens:,} tokens of KV do not fit the KV memory "
+                               f"({self.n_blocks * self.block_tokens:,} tokens, {self.n_blocks * self.block_bytes / 2**20:,.0f} "
+                               "MiB) even alone; give it more memory (kvstore serve --kv-memory) or use less context")
         if n > len(self.free_ids) and self.on_full is not None:
             self.on_full(n - len(self.free_ids))
         if n > len(self.free_ids):
-            raise PoolFull(f"the KV memory holds {self.n_blocks:,} blocks of {self.block_tokens} tokens "
-                           f"({self.n_blocks * self.block_bytes / 2**20:,.0f} MiB), {len(self.free_ids):,} free, and "
-                           f"{n:,} more are needed; give the server more KV memory (--kv-memory) or use a shorter context")
+            raise PoolFull(f"the KV memory ({self.n_blocks * self.block_bytes / 2**20:,.0f} MiB) is held by sequences "
+                           f"in use: {len(self.free_ids):,} blocks free, {n:,} needed; retry when they are done, or "
+                           "give it more memory (kvstore serve --kv-memory)")
         ids = [self.free_ids.pop() for _ in range(n)]
         for i in ids:
             self.refs[i] = 1
@@ -121,7 +126,7 @@ class PagedCache:
         """Blocks for `n_tokens` positions in total."""
         need = -(-n_tokens // self.pool.block_tokens) - len(self.table)
         if need > 0:
-            self.table += self.pool.alloc(need)
+            self.table += self.pool.alloc(need, have=len(self.table))
             self._rows = None
 
     def _own(self, start: int, end: int) -> None:

@@ -90,6 +90,8 @@ SPECS: dict[str, tuple[str, dict]] = {
                                         mlp_bias=True, rope_scaling={"rope_type": "linear", "factor": 2.0})),
     "mistral": ("MistralConfig", dict(num_key_value_heads=2, sliding_window=None)),
     "gpt2": ("GPT2Config", dict()),
+    # a context of 2,048 positions: conversations of ~1k tokens (the serving scale test)
+    "llama-long": ("LlamaConfig", dict(num_key_value_heads=2, tie_word_embeddings=True, max_position_embeddings=2048)),
 }
 LLAMA_ARCH_GGUF = {"LlamaConfig": "llama", "MistralConfig": "llama", "Qwen2Config": "qwen2", "GPT2Config": "gpt2"}
 
@@ -102,9 +104,9 @@ def make_config(name: str, vocab_size: int, bos_id: int, eos_id: int):
     if cls_name == "GPT2Config":
         return cls(vocab_size=vocab_size, n_embd=64, n_layer=2, n_head=4, n_positions=128,
                    bos_token_id=bos_id, eos_token_id=eos_id, **kwargs)
-    return cls(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-               num_attention_heads=4, max_position_embeddings=256, rms_norm_eps=1e-5,
-               bos_token_id=bos_id, eos_token_id=eos_id, **kwargs)
+    return cls(**{**dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, max_position_embeddings=256, rms_norm_eps=1e-5,
+                         bos_token_id=bos_id, eos_token_id=eos_id), **kwargs})
 
 
 @torch.no_grad()

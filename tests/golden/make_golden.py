@@ -4,7 +4,9 @@ decodes them and checks every KV byte, token id, message and setting against the
 
 When to run it: ONLY when a NEW format is added (an archive version, a payload encoding): add its
 writer here, run `python tests/golden/make_golden.py` from the repository root, commit the new
-files and add their expectations to tests/test_golden_formats.py. NEVER run it to make a failing
+files and add their expectations to tests/test_golden_formats.py. It writes only the files that are
+not there yet (and adds their entries to blobs.json): the committed ones are never rewritten, and
+`git diff --stat tests/golden` after a run shows new files only. NEVER run it to make a failing
 golden test pass: a failure means kvstore no longer reads what an earlier kvstore wrote (or writes
 what it used to), and the fix belongs in the reader, or in a new format version. The committed
 files are the fixtures, not this script's output of the day: zstd may compress the same bytes
@@ -188,13 +190,29 @@ def write_blob(path: Path, encoding: str, dtype: str) -> dict:
 
 
 def main() -> None:
+    """Write every fixture that is missing; leave the committed ones as they are."""
+    written = []
     for version in ARCHIVE_ENCODING:
         for dtype in ITEMSIZE:
-            write_archive(HERE / f"v{version}-{dtype}.kvs", version, dtype)
-    index = [write_blob(HERE / f"blob-{encoding}-{dtype}.kvz", encoding, dtype)
-             for encoding in ENCODINGS for dtype in ITEMSIZE]
-    (HERE / "blobs.json").write_text(json.dumps(index, indent=1) + "\n")
-    print(f"wrote {len(ARCHIVE_ENCODING) * len(ITEMSIZE)} archives and {len(index)} blobs into {HERE}")
+            path = HERE / f"v{version}-{dtype}.kvs"
+            if not path.exists():
+                write_archive(path, version, dtype)
+                written.append(path.name)
+    index_path = HERE / "blobs.json"
+    known = {e["file"]: e for e in json.loads(index_path.read_text())} if index_path.exists() else {}
+    index = []
+    for encoding in ENCODINGS:
+        for dtype in ITEMSIZE:
+            path = HERE / f"blob-{encoding}-{dtype}.kvz"
+            if path.name in known and path.exists():
+                index.append(known[path.name])
+            else:
+                index.append(write_blob(path, encoding, dtype))
+                written.append(path.name)
+    if index != list(known.values()):
+        index_path.write_text(json.dumps(index, indent=1) + "\n")
+        written.append(index_path.name)
+    print(f"wrote {', '.join(written) or 'nothing (every fixture is there)'} into {HERE}")
 
 
 if __name__ == "__main__":

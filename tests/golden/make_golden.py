@@ -28,6 +28,8 @@ The synthetic session (no weights exist; the archives import without a model):
   pending, extents [0, 8) [8, 12) [12, 16), no `last_hidden` field;
 - archive version 4: every token cached, extents [0, 8) [8, 16) [16, 17), `last_hidden` =
   `hidden_bytes` below in hex, and a chat generation in progress (`active_call`) for the reply;
+- archive version 5: version 4's session with `weights` = "stored" (the model's GGUF blocks kept as
+  stored; every earlier session was "dense", which those versions do not write);
 - blobs: the extent [0, 8) of every layer, in each payload encoding; `blobs.json` holds what the
   index keeps of each (its name, per-layer [offset, size], file checksum, per-layer checksums).
 """
@@ -65,6 +67,7 @@ MESSAGES = [
     {"ordinal": 2, "role": "assistant", "text": "はい — ça va ✓", "token_start": 11, "token_end": 17},
 ]
 ACTIVE_CALL_V4 = {"kind": "chat", "start": 11, "max_new_tokens": 32, "stop": [], "message": 2}
+WEIGHTS_V5 = "stored"  # how the model held its weights (version 5 on); not the default, so the field counts
 EXTENTS = {"pending": [(0, 8), (8, 4), (12, 4)], "all": [(0, 8), (8, 8), (16, 1)]}  # (start, n_tokens)
 
 MAGIC = b"\x89KVS\r\n\x1a\n"
@@ -123,20 +126,20 @@ def encode_channel_major(raw: bytes, itemsize: int, row_bytes: int) -> bytes:
 
 
 def encode_planes(raw: bytes, itemsize: int, row_bytes: int) -> bytes:
-    """Encoding 3 (archive formats 3 and 4, current blobs): the mark, then the token-order planes, each
+    """Encoding 3 (archive formats 3 to 5, current blobs): the mark, then the token-order planes, each
     a length-prefixed zstd frame."""
     frames = [_zstd(p.tobytes()) for p in _token_planes(raw, itemsize)]
     return PLANES_MARK + b"".join(LENGTH.pack(len(f)) + f for f in frames)
 
 
 ENCODINGS = {"shuffled": encode_shuffled, "channel-major": encode_channel_major, "planes": encode_planes}
-ARCHIVE_ENCODING = {1: "shuffled", 2: "channel-major", 3: "planes", 4: "planes"}
+ARCHIVE_ENCODING = {1: "shuffled", 2: "channel-major", 3: "planes", 4: "planes", 5: "planes"}
 
 
 # -- archives (docs/FORMATS.md, "The archive") -------------------------------------------------------
 def write_archive(path: Path, version: int, dtype: str) -> None:
     """As kvstore's exporter of `version` wrote it: versions 1 and 2 a manifest of exactly its length;
-    3 (from its streaming exporter on) and 4 a manifest padded with spaces to the room reserved for it.
+    3 (from its streaming exporter on) to 5 a manifest padded with spaces to the room reserved for it.
     Version 4's bfloat16 archive spells its text in raw UTF-8 (the format allows it); the others in
     JSON's ASCII escapes, as kvstore writes them (the emoji as a surrogate pair)."""
     itemsize, token_bytes = ITEMSIZE[dtype], ELEMENTS * ITEMSIZE[dtype]
@@ -160,6 +163,8 @@ def write_archive(path: Path, version: int, dtype: str) -> None:
                "n_tokens": N_TOKENS, "n_cached": sum(n for _, n in EXTENTS[cached])}
     if version >= 4:
         session["last_hidden"] = hidden_bytes(dtype).hex()
+    if version >= 5:
+        session["weights"] = WEIGHTS_V5
     manifest = {"format": "kvstore-archive", "version": version, "session": session, "model": MODEL,
                 "token_bytes": token_bytes, "tokens": TOKENS, "messages": MESSAGES, "extents": extents,
                 "data_size": sum(map(len, data))}

@@ -20,7 +20,7 @@ from sqlalchemy import delete as sql_delete
 from sqlalchemy import event
 
 import kvstore
-from kvstore.store.archive import HEADER, MAGIC
+from kvstore.store.archive import HEADER, MAGIC, VERSION
 from kvstore.errors import KvstoreError
 from kvstore.store.index import ModelRow
 
@@ -99,8 +99,9 @@ def join(manifest, payload: bytes, *, version: int | None = None, flags: int = 0
     """An archive of `manifest` and `payload`; the header's version is the manifest's unless given (a
     mismatch is refused by itself, which would hide what a test forges)."""
     if version is None:
-        version = manifest.get("version", 4) if isinstance(manifest, dict) else 4
-        version = version if isinstance(version, int) and not isinstance(version, bool) and 0 <= version < 2 ** 32 else 4
+        version = manifest.get("version", VERSION) if isinstance(manifest, dict) else VERSION
+        version = version if isinstance(version, int) and not isinstance(version, bool) and 0 <= version < 2 ** 32 \
+            else VERSION
     body = json.dumps(manifest).encode()  # ensure_ascii: lone surrogates travel as \ud800 escapes
     return HEADER.pack(MAGIC, version, flags, len(body), xxhash.xxh3_64_intdigest(body)) + body + payload
 

@@ -1,7 +1,7 @@
 """Golden formats: files written the way every earlier kvstore wrote them stay readable, byte for byte.
 
 tests/golden/ holds, committed once (`tests/golden/make_golden.py`, which says when it may be rerun:
-only for a new format), an archive of every version this kvstore reads (1 to 4, in bfloat16 and
+only for a new format), an archive of every version this kvstore reads (1 to 5, in bfloat16 and
 float32) and a packed blob in each of the three payload encodings (docs/FORMATS.md). This module is
 their specification, written independently of both the writer and the reader: the KV bytes come
 from `element` below (recomputed here, element by element, not read from any writer), the tokens,
@@ -12,8 +12,9 @@ messages and settings are spelled out here. The contract checked:
 - decoded by the spec alone (zstandard and numpy, no kvstore code) every payload is the formula's
   bytes, so the fixtures are what docs/FORMATS.md says;
 - `Store.import_` of each archive (no model) yields exactly the tokens, messages, settings, model
-  record, extents, KV bytes and (version 4) last token's state, and `verify` finds nothing wrong;
-  an export of it is the current version and carries the same session;
+  record, extents, KV bytes, (version 4 on) last token's state and how the model held its weights
+  (version 5's field; "dense" before it), and `verify` finds nothing wrong; an export of it is the
+  current version and carries the same session, its weights included;
 - `blobs.unpack` of each blob yields the formula's bytes, its name is the xxh3-128 of them, and a
   store whose pack finds such a blob already committed (an older kvstore packed it) reads it;
 - one changed byte in an archive is refused (`CorruptData`, `UnsupportedFormat`) with the store
@@ -47,9 +48,10 @@ MAGIC = b"\x89KVS\r\n\x1a\n"
 HEADER = "<8sIIQQ"  # magic, version u32, flags u32, manifest length u64, manifest xxh3-64 u64
 PLANES_MARK = b"KVP\x83"
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
-VERSIONS = (1, 2, 3, 4)
+VERSIONS = (1, 2, 3, 4, 5)
 DTYPES = {"bfloat16": 2, "float32": 4}  # itemsize
-ENCODING_OF = {1: "shuffled", 2: "channel-major", 3: "planes", 4: "planes"}  # the payloads each version wrote
+# the payloads each version wrote
+ENCODING_OF = {1: "shuffled", 2: "channel-major", 3: "planes", 4: "planes", 5: "planes"}
 ENCODINGS = ("shuffled", "channel-major", "planes")
 ARCHIVES = [(v, d) for v in VERSIONS for d in DTYPES]
 BLOBS = [(e, d) for e in ENCODINGS for d in DTYPES]
@@ -98,11 +100,15 @@ def hidden(dtype: str) -> bytes:
 def expected(version: int, dtype: str) -> dict:
     """What the archive of `version` holds beyond the shared session: before version 4 the last
     token is pending (C2 as first written: 16 of 17 cached, no state); version 4 caches every token,
-    carries its state and a chat reply in progress."""
+    carries its state and a chat reply in progress; version 5 is 4 with the weights held "stored"
+    (C6), where every earlier session's were "dense" (those versions have no field for it)."""
+    weights = "stored" if version >= 5 else "dense"
     if version < 4:
-        return {"n_cached": 16, "extents": [(0, 8), (8, 4), (12, 4)], "last_hidden": None, "active_call": None}
+        return {"n_cached": 16, "extents": [(0, 8), (8, 4), (12, 4)], "last_hidden": None, "active_call": None,
+                "weights": weights}
     return {"n_cached": 17, "extents": [(0, 8), (8, 8), (16, 1)], "last_hidden": hidden(dtype),
-            "active_call": {"kind": "chat", "start": 11, "max_new_tokens": 32, "stop": [], "message": 2}}
+            "active_call": {"kind": "chat", "start": 11, "max_new_tokens": 32, "stop": [], "message": 2},
+            "weights": weights}
 
 
 def archive_path(version: int, dtype: str) -> Path:
@@ -171,8 +177,10 @@ def test_the_archive_header_and_manifest_are_the_documented_ones(version, dtype)
     assert set(man) == {"format", "version", "session", "model", "token_bytes", "tokens", "messages", "extents",
                         "data_size"}
     session_fields = {"name", "seed", "sampler", "chunk_size", "checkpoint_every", "dtype", "kv_layout",
-                      "active_call", "n_tokens", "n_cached"} | ({"last_hidden"} if version >= 4 else set())
+                      "active_call", "n_tokens", "n_cached"} | ({"last_hidden"} if version >= 4 else set()) \
+        | ({"weights"} if version >= 5 else set())
     assert set(man["session"]) == session_fields
+    assert man["session"].get("weights", "dense") == expected(version, dtype)["weights"]
     assert man["data_size"] == len(data) - start
     assert archive.read_manifest(path) == (man, start, len(data) - start)  # the reader agrees with the spec
     assert archive.validate(man, len(data) - start, path.name) is man
@@ -211,11 +219,12 @@ def test_an_archive_of_every_version_imports_as_the_session_it_was(tmp_path, ver
     info = store.info(name)
     assert (info.dtype, info.seed, info.sampler, info.chunk_size, info.checkpoint_every) == (dtype, SEED, SAMPLER, 8, 4)
     assert (info.n_tokens, info.n_cached, info.active_call) == (17, want["n_cached"], want["active_call"])
+    assert info.weights == want["weights"]
     assert (info.model, info.model_source, info.parent) == (FINGERPRINT, SOURCE, None)
     itemsize = DTYPES[dtype]
     with store.db() as db:
         row = store.row(db, name)
-        assert row.last_hidden == want["last_hidden"]
+        assert row.last_hidden == want["last_hidden"] and row.weights == want["weights"]
         assert row.kv_layout == {"order": "token-major", "n_layers": N_LAYERS, "per_token": [2, N_KV_HEADS, HEAD_DIM],
                                  "dtype": dtype}
         assert db.get(ModelRow, FINGERPRINT).config == CONFIG
@@ -237,7 +246,8 @@ def test_an_imported_archive_exports_as_the_current_version_with_the_same_sessio
     (magic, v, flags, _, _), man, _ = split((tmp_path / "again.kvs").read_bytes())
     _, old, _ = split(archive_path(version, dtype).read_bytes())
     assert (magic, v, flags, man["version"]) == (MAGIC, archive.VERSION, 0, archive.VERSION)
-    assert man["session"] == {**old["session"], "last_hidden": old["session"].get("last_hidden")}
+    assert man["session"] == {**old["session"], "last_hidden": old["session"].get("last_hidden"),
+                              "weights": expected(version, dtype)["weights"]}
     for key in ("model", "token_bytes", "tokens", "messages"):
         assert man[key] == old[key]
     def kv_plan(m: dict) -> list:  # offsets and sizes are the new compression's, the rest must not change
@@ -246,6 +256,7 @@ def test_an_imported_archive_exports_as_the_current_version_with_the_same_sessio
     assert kv_plan(man) == kv_plan(old)
     again = store.import_(tmp_path / "again.kvs", name="again")
     assert store.tokens(again) == TOKENS and store.verify() == {name: [], again: []}
+    assert store.info(again).weights == expected(version, dtype)["weights"]
     store.close()
 
 

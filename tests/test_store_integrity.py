@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 
 import kvstore
 import store_harness as H
-from kvstore.store.archive import HEADER, MAGIC
+from kvstore.store.archive import HEADER, MAGIC, VERSION
 from kvstore.errors import (CorruptData, InvalidName, ModelMismatch, SessionBusy, SessionNotFound, StoreMissing,
                             UnsupportedFormat)
 
@@ -327,7 +327,7 @@ def test_an_archive_with_a_forged_last_token_state_is_refused(prefilled, model, 
     elif forge == "pending":
         manifest["tokens"].append(manifest["tokens"][-1])
         session["n_tokens"] += 1
-    _write_archive(tmp_path / "forged.kvs", manifest, payload, version=4)
+    _write_archive(tmp_path / "forged.kvs", manifest, payload)
     other = kvstore.open_store(tmp_path / "other")
     with pytest.raises(CorruptData, match="last.token"):
         other.import_(tmp_path / "forged.kvs")
@@ -354,9 +354,10 @@ def test_a_lost_last_token_state_is_corrupt_data_on_open_and_in_verify(prefilled
 def test_an_archive_whose_header_and_manifest_disagree_on_the_version_is_refused(saved, tmp_path):
     saved.export("s", tmp_path / "s.kvs")
     manifest, payload = _archive_parts(tmp_path / "s.kvs")
-    _write_archive(tmp_path / "mixed.kvs", manifest, payload, version=3)  # the manifest says 4
+    assert manifest["version"] == VERSION
+    _write_archive(tmp_path / "mixed.kvs", manifest, payload, version=VERSION - 1)
     other = kvstore.open_store(tmp_path / "other")
-    with pytest.raises(CorruptData, match="header says format version 3, the manifest 4"):
+    with pytest.raises(CorruptData, match=f"header says format version {VERSION - 1}, the manifest {VERSION}"):
         other.import_(tmp_path / "mixed.kvs")
     assert other.names() == []
 

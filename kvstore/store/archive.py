@@ -3,9 +3,11 @@
 Layout: magic `\\x89KVS\\r\\n\\x1a\\n`, u32 version, u32 flags, u64 manifest length, u64 xxh3-64 of
 the manifest, the manifest (UTF-8 JSON), then the data region: one compressed payload (`codec`) per
 extent and layer, at the offsets the manifest lists, each with its raw size and raw xxh3-64.
-Version 4 adds the session's `last_hidden` (contract C2: the last token's final hidden state, hex,
-when every token's KV is cached); its payloads are version 3's: byte planes in token order.
-Versions 3, 2 (planes channel-major) and 1 (one shuffled frame each) are still read.
+Version 5 adds the session's `weights` (contract C6: how its model held the weight matrices, one
+of WEIGHT_FORMATS; other ways compute other bits); before it every session's were "dense".
+Version 4 added `last_hidden` (contract C2: the last token's final hidden state, hex, when every
+token's KV is cached). Versions 5, 4 and 3 store byte planes in token order; versions 4, 3, 2
+(planes channel-major) and 1 (one shuffled frame each) are still read.
 
 `read_manifest` checks the magic, version, sizes and the manifest's checksum; `validate` checks the
 manifest's shape and arithmetic (every field, token, message, extent and frame), so that import
@@ -23,6 +25,7 @@ from typing import Any
 
 import xxhash
 
+from ..defaults import WEIGHT_FORMATS
 from ..engine.settings import SamplerSettings
 from ..errors import CorruptData, KvstoreError, UnsupportedFormat
 from ..fileio import io
@@ -30,15 +33,16 @@ from .codec import ITEMSIZE
 from .records import last_state_problem
 
 MAGIC = b"\x89KVS\r\n\x1a\n"
-VERSION = 4
-READABLE = (1, 2, 3, 4)  # they differ in the payload encoding, which `codec` tells apart, and in 4's last_hidden
+VERSION = 5
+READABLE = (1, 2, 3, 4, 5)  # the payload encoding (`codec` tells them apart), 4's last_hidden, 5's weights
+WEIGHTS_SINCE = 5  # the first version whose session section records `weights`; earlier ones mean "dense"
 HEADER = struct.Struct("<8sIIQQ")  # magic, version, flags, manifest length, manifest xxh3-64
 MAX_MANIFEST = 256 << 20
 MAX_FRAME_RAW = 1 << 30  # one layer of one extent: far above any real one, low enough to allocate
 FIELDS = {  # every field a manifest of any readable version may hold, by section
     "": {"format", "version", "session", "model", "token_bytes", "tokens", "messages", "extents", "data_size"},
     "session": {"name", "seed", "sampler", "chunk_size", "checkpoint_every", "dtype", "kv_layout", "active_call",
-                "n_tokens", "n_cached", "last_hidden"},
+                "n_tokens", "n_cached", "last_hidden", "weights"},
     "kv_layout": {"order", "n_layers", "per_token", "dtype"},
     "model": {"fingerprint", "arch", "config", "source"},
     "extent": {"start", "n_tokens", "frames"},
@@ -100,6 +104,9 @@ def validate(man: Any, data_size: int, file: str) -> dict[str, Any]:
     unknown = _unknown_fields(man)
     need(not unknown, f"unknown manifest field(s) {', '.join(unknown[:5])} (an archive names no paths, links "
          "or files; everything it holds is listed in docs/FORMATS.md)")
+    need(is_int(man.get("version")) and man["version"] in READABLE,
+         f"unknown format version {_short(man.get('version'))}")
+    _validate_weights(man["version"], s, need)
     need(isinstance(s.get("dtype"), str) and s["dtype"] in ITEMSIZE, f"unknown KV dtype {s.get('dtype')!r}")
     layout = s.get("kv_layout")
     need(isinstance(layout, dict) and layout.get("order") == "token-major" and isinstance(layout.get("per_token"), list)
@@ -131,6 +138,31 @@ def validate(man: Any, data_size: int, file: str) -> dict[str, Any]:
     _validate_call(s.get("active_call"), n_tokens, man["messages"], need, is_int)
     _validate_extents(man, layout, n_cached, data_size, need, is_int)
     return man
+
+
+def weights_of(man: dict[str, Any]) -> str:
+    """How the session's model held its weight matrices (WEIGHT_FORMATS), of a validated manifest:
+    version 5's field; "dense" before it, as every session then was."""
+    return man["session"]["weights"] if man["version"] >= WEIGHTS_SINCE else "dense"
+
+
+def _validate_weights(version: int, s: dict[str, Any], need) -> None:
+    """C6: from version 5 on the session names how its model held the weights, one of WEIGHT_FORMATS
+    (a session continues only that way); earlier versions never wrote the field."""
+    if version < WEIGHTS_SINCE:
+        need("weights" not in s, f"session.weights in a version {version} archive (the field came with version "
+             f"{WEIGHTS_SINCE}; earlier sessions' weights were dense)")
+        return
+    need("weights" in s, f"session.weights missing (a version {version} archive records how the model held its "
+         f"weights: {', '.join(WEIGHT_FORMATS)})")
+    weights = s["weights"]
+    need(isinstance(weights, str) and weights in WEIGHT_FORMATS,
+         f"unknown session.weights {_short(weights)} (one of {', '.join(WEIGHT_FORMATS)})")
+
+
+def _short(value: Any, limit: int = 40) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _validate_hidden(hidden, n_tokens: int, n_cached: int, cfg: dict[str, Any], dtype: str, need, is_int) -> None:

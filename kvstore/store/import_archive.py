@@ -1,7 +1,8 @@
 """Import: an archive verified completely (`archive.read_manifest`, `archive.validate`, every
-frame inflated within its declared size and checked against its checksum, the model fingerprint and
-the KV layout), then committed as a new session in one transaction. A failure at any point leaves
-the store as it was: the new folder is removed and no row is written.
+frame inflated within its declared size and checked against its checksum, the model fingerprint
+and, for a given model, how it holds its weights (`archive.weights_of`), the KV layout), then
+committed as a new session in one transaction. A failure at any point leaves the store as it was:
+the new folder is removed and no row is written.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import numpy as np
 from ..errors import CorruptData, ModelMismatch
 from ..fileio import io
 from . import codec, segments
-from .archive import read_manifest, validate
+from .archive import read_manifest, validate, weights_of
 from .codec import ITEMSIZE
 from .index import ExtentRow, MessageRow, ModelRow, SessionExtentRow
 from .locking import SessionLock
@@ -35,6 +36,11 @@ def import_session(store, path: Path, name: str | None, model, progress: Progres
     if model is not None and model.fingerprint != fingerprint:
         raise ModelMismatch(f"{path.name} was exported with model {fingerprint[:12]}, not {model.fingerprint[:12]} "
                             f"({model.source}); import it without a model or with the right one")
+    weights = weights_of(plan)
+    if model is not None and model.weights != weights:
+        raise ModelMismatch(f"{path.name} holds a session made with the model's weights held {weights!r}, this model "
+                            f"holds them {model.weights!r}; import it without a model, or load the model with "
+                            f"weights={weights!r}")
     with store.db() as db:
         claim_name(db, name, ALREADY)
         known = db.get(ModelRow, fingerprint)
@@ -98,7 +104,8 @@ def _commit(store, plan: dict[str, Any], name: str, session_id: str, written: li
             db.add(ModelRow(fingerprint=m["fingerprint"], arch=m["arch"], config=m["config"], source=m["source"]))
             db.flush()
         add_session(db, session_id=session_id, name=name, model_fingerprint=m["fingerprint"], dtype=s["dtype"],
-                    weights=s.get("weights", "dense"), kv_layout=s["kv_layout"], seed=s["seed"], sampler=s["sampler"], chunk_size=s["chunk_size"],
+                    weights=weights_of(plan), kv_layout=s["kv_layout"], seed=s["seed"], sampler=s["sampler"],
+                    chunk_size=s["chunk_size"],
                     checkpoint_every=s["checkpoint_every"], token_bytes=plan["token_bytes"], reason="import",
                     tokens=plan["tokens"], n_cached=s["n_cached"], active_call=s["active_call"],
                     last_hidden=bytes.fromhex(s["last_hidden"]) if s.get("last_hidden") else None,

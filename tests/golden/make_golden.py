@@ -4,7 +4,9 @@ decodes them and checks every KV byte, token id, message and setting against the
 
 When to run it: ONLY when a NEW format is added (an archive version, a payload encoding): add its
 writer here, run `python tests/golden/make_golden.py` from the repository root, commit the new
-files and add their expectations to tests/test_golden_formats.py. NEVER run it to make a failing
+files and add their expectations to tests/test_golden_formats.py. It writes only the files that are
+not there yet (and adds their entries to blobs.json): the committed ones are never rewritten, and
+`git diff --stat tests/golden` after a run shows new files only. NEVER run it to make a failing
 golden test pass: a failure means kvstore no longer reads what an earlier kvstore wrote (or writes
 what it used to), and the fix belongs in the reader, or in a new format version. The committed
 files are the fixtures, not this script's output of the day: zstd may compress the same bytes
@@ -26,6 +28,8 @@ The synthetic session (no weights exist; the archives import without a model):
   pending, extents [0, 8) [8, 12) [12, 16), no `last_hidden` field;
 - archive version 4: every token cached, extents [0, 8) [8, 16) [16, 17), `last_hidden` =
   `hidden_bytes` below in hex, and a chat generation in progress (`active_call`) for the reply;
+- archive version 5: version 4's session with `weights` = "stored" (the model's GGUF blocks kept as
+  stored; every earlier session was "dense", which those versions do not write);
 - blobs: the extent [0, 8) of every layer, in each payload encoding; `blobs.json` holds what the
   index keeps of each (its name, per-layer [offset, size], file checksum, per-layer checksums).
 """
@@ -63,6 +67,7 @@ MESSAGES = [
     {"ordinal": 2, "role": "assistant", "text": "はい — ça va ✓", "token_start": 11, "token_end": 17},
 ]
 ACTIVE_CALL_V4 = {"kind": "chat", "start": 11, "max_new_tokens": 32, "stop": [], "message": 2}
+WEIGHTS_V5 = "stored"  # how the model held its weights (version 5 on); not the default, so the field counts
 EXTENTS = {"pending": [(0, 8), (8, 4), (12, 4)], "all": [(0, 8), (8, 8), (16, 1)]}  # (start, n_tokens)
 
 MAGIC = b"\x89KVS\r\n\x1a\n"
@@ -121,20 +126,20 @@ def encode_channel_major(raw: bytes, itemsize: int, row_bytes: int) -> bytes:
 
 
 def encode_planes(raw: bytes, itemsize: int, row_bytes: int) -> bytes:
-    """Encoding 3 (archive formats 3 and 4, current blobs): the mark, then the token-order planes, each
+    """Encoding 3 (archive formats 3 to 5, current blobs): the mark, then the token-order planes, each
     a length-prefixed zstd frame."""
     frames = [_zstd(p.tobytes()) for p in _token_planes(raw, itemsize)]
     return PLANES_MARK + b"".join(LENGTH.pack(len(f)) + f for f in frames)
 
 
 ENCODINGS = {"shuffled": encode_shuffled, "channel-major": encode_channel_major, "planes": encode_planes}
-ARCHIVE_ENCODING = {1: "shuffled", 2: "channel-major", 3: "planes", 4: "planes"}
+ARCHIVE_ENCODING = {1: "shuffled", 2: "channel-major", 3: "planes", 4: "planes", 5: "planes"}
 
 
 # -- archives (docs/FORMATS.md, "The archive") -------------------------------------------------------
 def write_archive(path: Path, version: int, dtype: str) -> None:
     """As kvstore's exporter of `version` wrote it: versions 1 and 2 a manifest of exactly its length;
-    3 (from its streaming exporter on) and 4 a manifest padded with spaces to the room reserved for it.
+    3 (from its streaming exporter on) to 5 a manifest padded with spaces to the room reserved for it.
     Version 4's bfloat16 archive spells its text in raw UTF-8 (the format allows it); the others in
     JSON's ASCII escapes, as kvstore writes them (the emoji as a surrogate pair)."""
     itemsize, token_bytes = ITEMSIZE[dtype], ELEMENTS * ITEMSIZE[dtype]
@@ -158,6 +163,8 @@ def write_archive(path: Path, version: int, dtype: str) -> None:
                "n_tokens": N_TOKENS, "n_cached": sum(n for _, n in EXTENTS[cached])}
     if version >= 4:
         session["last_hidden"] = hidden_bytes(dtype).hex()
+    if version >= 5:
+        session["weights"] = WEIGHTS_V5
     manifest = {"format": "kvstore-archive", "version": version, "session": session, "model": MODEL,
                 "token_bytes": token_bytes, "tokens": TOKENS, "messages": MESSAGES, "extents": extents,
                 "data_size": sum(map(len, data))}
@@ -188,13 +195,29 @@ def write_blob(path: Path, encoding: str, dtype: str) -> dict:
 
 
 def main() -> None:
+    """Write every fixture that is missing; leave the committed ones as they are."""
+    written = []
     for version in ARCHIVE_ENCODING:
         for dtype in ITEMSIZE:
-            write_archive(HERE / f"v{version}-{dtype}.kvs", version, dtype)
-    index = [write_blob(HERE / f"blob-{encoding}-{dtype}.kvz", encoding, dtype)
-             for encoding in ENCODINGS for dtype in ITEMSIZE]
-    (HERE / "blobs.json").write_text(json.dumps(index, indent=1) + "\n")
-    print(f"wrote {len(ARCHIVE_ENCODING) * len(ITEMSIZE)} archives and {len(index)} blobs into {HERE}")
+            path = HERE / f"v{version}-{dtype}.kvs"
+            if not path.exists():
+                write_archive(path, version, dtype)
+                written.append(path.name)
+    index_path = HERE / "blobs.json"
+    known = {e["file"]: e for e in json.loads(index_path.read_text())} if index_path.exists() else {}
+    index = []
+    for encoding in ENCODINGS:
+        for dtype in ITEMSIZE:
+            path = HERE / f"blob-{encoding}-{dtype}.kvz"
+            if path.name in known and path.exists():
+                index.append(known[path.name])
+            else:
+                index.append(write_blob(path, encoding, dtype))
+                written.append(path.name)
+    if index != list(known.values()):
+        index_path.write_text(json.dumps(index, indent=1) + "\n")
+        written.append(index_path.name)
+    print(f"wrote {', '.join(written) or 'nothing (every fixture is there)'} into {HERE}")
 
 
 if __name__ == "__main__":

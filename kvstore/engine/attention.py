@@ -4,8 +4,14 @@ Queries arrive token-major (`[T, heads, head_dim]`) and keys and values as cache
 (`[T, 2 (K, V), kv_heads, head_dim]`), the layouts the projections produce and the cache stores.
 `attend` writes the rows into the cache (`KVCache.write`, the one write path) and runs
 `F.scaled_dot_product_attention` (grouped-query heads included) over positions 0..pos+T-1; a
-single query on the CPU (a decode step) goes through `one_query` instead. The mask, and with it
+single query on the CPU (a decode step) goes through `decode_step` instead. The mask, and with it
 the kernel SDPA picks, depends on (pos, T) alone, built once per forward.
+
+`decode_step` chooses, in one place, between the native kernel (`native.attention()`, the attention
+of query rows over a paged cache, read here through the cache's block view) for bfloat16 caches on
+CPUs that run it, and `one_query` (torch, float32) for the rest (float32 and float16 caches, other
+CPUs, KVSTORE_NATIVE=0, shapes the kernel does not take). The choice depends on the dtype, the
+shapes and the process's settled choice alone; the two paths round differently.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import native
 from .cache import KVCache
 
 Mask = tuple["torch.Tensor | None", bool]  # (additive mask or None, is_causal)
@@ -41,10 +48,36 @@ def attend(q: torch.Tensor, kv: torch.Tensor, cache: KVCache | None, layer: int,
         k_all, v_all = kv.permute(1, 2, 0, 3).unbind(0)  # [n_kv, T, hd] each
         k_all, v_all = k_all.unsqueeze(0), v_all.unsqueeze(0)
     if T == 1 and q.device.type == "cpu":
-        return one_query(q[0], k_all[0], v_all[0]).view(1, n_heads * hd)
+        return decode_step(q, k_all[0], v_all[0], cache, layer).view(1, n_heads * hd)
     o = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k_all, v_all, attn_mask=mask[0],
                                        is_causal=mask[1], enable_gqa=k_all.shape[1] != n_heads)
     return o[0].transpose(0, 1).reshape(T, n_heads * hd)  # [1, n_heads, T, hd] -> [T, n_heads hd]
+
+
+NATIVE_MAX_GROUP = 12  # query heads per KV head the native kernel takes (attention.cpp's kTileQueries)
+
+
+def decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache | None, layer: int) -> torch.Tensor:
+    """One query's attention on the CPU: q `[1, n_heads, hd]` over the cache's positions
+    0..L-1 (L = k's length; k and v `[n_kv_heads, L, hd]` are their views) -> `[1, n_heads, hd]`."""
+    kernel = native_rows(q, cache)
+    if kernel is None:
+        return one_query(q[0], k, v)[None]
+    pool, table = cache.blocks(layer)
+    return kernel(q, pool, table, ONE_SEQUENCE, torch.tensor([k.shape[1]], dtype=torch.int32))
+
+
+ONE_SEQUENCE = torch.zeros(1, dtype=torch.int32)  # row_seq of one row of the one sequence of a block view
+
+
+def native_rows(q: torch.Tensor, cache: KVCache | None):
+    """The native kernel where it takes these queries over this cache (bfloat16 on the CPU, head
+    dimension a multiple of 16, at most NATIVE_MAX_GROUP query heads per KV head), else None."""
+    if cache is None or q.dtype is not torch.bfloat16 or cache.dtype is not torch.bfloat16 or q.device.type != "cpu":
+        return None
+    if cache.head_dim % 16 or q.shape[1] % cache.n_kv_heads or q.shape[1] // cache.n_kv_heads > NATIVE_MAX_GROUP:
+        return None
+    return native.attention()
 
 
 def one_query(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

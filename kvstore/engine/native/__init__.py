@@ -7,6 +7,11 @@ process computes with torch's kernels: KVSTORE_NATIVE=0, a CPU without AVX512-BF
 failed (a NativeKernelWarning says why, once). The first call settles it for the process; the build
 (build.py) happens once per machine and torch install. kvstore/engine/ops.py decides, op by op, which runs.
 
+`attention()` -> the `attention_rows` op of attention.cpp (the attention of query rows over a paged
+bfloat16 KV cache, its comment states the contract), or None: KVSTORE_NATIVE=0, a CPU without AVX512,
+a failed build. Settled once per process, like `kernels()`; kvstore/engine/attention.py decides
+where it runs.
+
 Bits: the two kernels round differently, so decoding is exact between runs that made the same
 choice. Every process on one machine makes the same one (unless KVSTORE_NATIVE differs); a session
 continued where the choice differs (another kind of CPU, KVSTORE_NATIVE=0) continues exactly as a
@@ -27,6 +32,7 @@ from .build import BuildError, has_compiler, is_built, load
 
 ENV = "KVSTORE_NATIVE"
 SOURCE = Path(__file__).with_name("kernels_bf16.cpp")
+ATTENTION_SOURCE = Path(__file__).with_name("attention.cpp")
 
 
 class NativeKernelWarning(UserWarning):
@@ -42,6 +48,7 @@ class Kernels:
 
 
 _choice: tuple[Kernels | None, str] | None = None  # (the kernels or None, why), once settled
+_attention: tuple[Callable | None, str] | None = None  # (attention_rows or None, why), once settled
 
 
 def kernels() -> Kernels | None:
@@ -54,7 +61,8 @@ def kernels() -> Kernels | None:
 
 def will_build() -> bool:
     """Whether settling the choice now compiles the kernels first (about 10 s here, once per machine)."""
-    return _choice is None and os.environ.get(ENV) != "0" and has_compiler() and not is_built(SOURCE)
+    unsettled = [src for src, choice in ((SOURCE, _choice), (ATTENTION_SOURCE, _attention)) if choice is None]
+    return os.environ.get(ENV) != "0" and has_compiler() and not all(is_built(src) for src in unsettled)
 
 
 def status() -> str:
@@ -63,15 +71,40 @@ def status() -> str:
     return _choice[1]
 
 
-def _load() -> tuple[Kernels | None, str]:
+def attention() -> Callable | None:
+    """The native attention over a paged bfloat16 KV cache, or None (see the module's docstring)."""
+    global _attention
+    if _attention is None:
+        _attention = _load_attention()
+    return _attention[0]
+
+
+def _built(source: Path) -> str | None:
+    """Why source's library cannot serve this process (then warned once), or None once it is loaded."""
     if os.environ.get(ENV) == "0":
-        return None, f"torch's kernels ({ENV}=0)"
+        return f"torch's kernels ({ENV}=0)"
     try:
-        load(SOURCE)
+        load(source)
     except BuildError as e:
         warnings.warn(f"kvstore: running on torch's kernels, decoding about half as fast: {e}. Set {ENV}=0 to "
-                      "silence this.", NativeKernelWarning, stacklevel=3)
-        return None, f"torch's kernels (the native ones failed to build: {str(e).splitlines()[0]})"
+                      "silence this.", NativeKernelWarning, stacklevel=4)
+        return f"torch's kernels (the native ones failed to build: {str(e).splitlines()[0]})"
+    return None
+
+
+def _load_attention() -> tuple[Callable | None, str]:
+    why = _built(ATTENTION_SOURCE)
+    if why is not None:
+        return None, why
+    if not torch.ops.kvstore.attention_avx512():
+        return None, "torch's attention (this CPU has no AVX512)"
+    return torch.ops.kvstore.attention_rows.default, "native AVX512 attention"
+
+
+def _load() -> tuple[Kernels | None, str]:
+    why = _built(SOURCE)
+    if why is not None:
+        return None, why
     ops = torch.ops.kvstore
     if not ops.avx512_bf16():
         return None, "torch's kernels (this CPU has no AVX512-BF16)"

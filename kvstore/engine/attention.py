@@ -54,7 +54,7 @@ def attend(q: torch.Tensor, kv: torch.Tensor, cache: KVCache | None, layer: int,
     return o[0].transpose(0, 1).reshape(T, n_heads * hd)  # [1, n_heads, T, hd] -> [T, n_heads hd]
 
 
-NATIVE_MAX_GROUP = 12  # query heads per KV head the native kernel takes (attention.cpp's kTileQueries)
+NATIVE_MAX_GROUP = 24  # query heads per KV head the native kernel takes (attention.cpp's kTileQueries)
 
 
 def decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache | None, layer: int) -> torch.Tensor:

@@ -54,7 +54,7 @@ std::atomic<bool> dot_bf16{has_avx512() && __builtin_cpu_supports("avx512bf16")}
 
 constexpr int64_t kGroup = 16;        // keys scored at once, one per float32 lane
 constexpr int64_t kPartition = 256;   // keys per partial softmax: what a long row splits into
-constexpr int64_t kTileQueries = 12;  // query heads (rows x heads per KV head) sharing each K/V load
+constexpr int64_t kTileQueries = 24;  // query heads (rows x heads per KV head) sharing each K/V load
 constexpr int kSub = 4;               // queries held in registers at once
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
@@ -394,11 +394,13 @@ void fold_unit(const Problem& pb, const Tile& t, const float* scratch, float* f)
 template <typename F>
 void each(int64_t n, int64_t queries, const Problem& pb, const F& body) {
   std::atomic<int64_t> next{0};
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+  const auto run = [&](int64_t, int64_t) {
     Work w(queries, pb.hd, pb.record());
     for (int64_t i; (i = next.fetch_add(1)) < n;) body(i, w);
-  });
+  };
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), n);
+  if (threads <= 1) return run(0, 1);  // no parallel region: its threads would only wake to wait
+  at::parallel_for(0, threads, 1, run);
 }
 
 // ---- the op ---------------------------------------------------------------------------------------

@@ -216,8 +216,11 @@ def test_a_model_on_the_kernels_is_close_to_torch_and_repeats_exactly(tiny, monk
 @needs_compiler
 def test_will_build_says_whether_a_load_compiles(cache, monkeypatch):
     monkeypatch.setattr(native, "_choice", None)
+    monkeypatch.setattr(native, "_attention", None)
     assert native.will_build()  # a new cache folder
     build.library(native.SOURCE)
+    assert native.will_build()  # the attention's library is still missing
+    build.library(native.ATTENTION_SOURCE)
     assert not native.will_build()
     cache_lib = next(cache.glob("kernels_bf16-*.so"))
     cache_lib.unlink()
@@ -260,6 +263,17 @@ def test_a_library_is_built_once_per_source(tmp_path, cache):
     changed = build.library(toy_source(tmp_path, answer=7))
     assert changed != lib and answer(changed) == 7
     assert sorted(p.name for p in cache.iterdir() if p.name.startswith(".")) == []  # no temp files left
+
+
+@needs_compiler
+def test_a_header_next_to_the_source_is_part_of_the_build(tmp_path, cache):
+    (tmp_path / "toy.h").write_text("#define ANSWER 42\n")
+    src = toy_source(tmp_path, body='#include "toy.h"\nextern "C" int kvstore_toy() { return ANSWER; }\n')
+    lib = build.library(src)
+    assert answer(lib) == 42
+    (tmp_path / "toy.h").write_text("#define ANSWER 7\n")
+    changed = build.library(src)
+    assert changed != lib and answer(changed) == 7
 
 
 @needs_compiler

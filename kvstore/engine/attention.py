@@ -2,10 +2,16 @@
 
 Queries arrive token-major (`[T, heads, head_dim]`) and keys and values as cache rows
 (`[T, 2 (K, V), kv_heads, head_dim]`), the layouts the projections produce and the cache stores.
-`attend` writes the rows into the cache (`KVCache.write`, the one write path) and runs
-`F.scaled_dot_product_attention` (grouped-query heads included) over positions 0..pos+T-1; a
-single query on the CPU (a decode step) goes through `one_query` instead. The mask, and with it
-the kernel SDPA picks, depends on (pos, T) alone, built once per forward.
+`attend` writes the rows into the cache (`put`, the one write path) and attends over positions
+0..pos+T-1, choosing in one place:
+- the native kernel (`native.attention()`: the attention of query rows over a paged cache, read in
+  place through the cache's block table) for bfloat16 caches on CPUs that run it, for every row, a
+  decode step's or a prefill chunk's (`native_rows` says where it applies);
+- elsewhere (float32 and float16 caches, other CPUs, KVSTORE_NATIVE=0, shapes the kernel does not
+  take, a forward without a cache) `one_query` (torch, float32) for a single query on the CPU and
+  `F.scaled_dot_product_attention` for chunks, whose mask (and kernel) depends on (pos, T) alone.
+The choice depends on the dtype, the shapes and the process's settled choice alone; the paths round
+differently.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import native
 from .cache import KVCache
 
 Mask = tuple["torch.Tensor | None", bool]  # (additive mask or None, is_causal)
@@ -32,8 +39,18 @@ def causal_mask(pos: int, T: int, dtype: torch.dtype, device) -> Mask:
 
 
 def attend(q: torch.Tensor, kv: torch.Tensor, cache: KVCache | None, layer: int, pos: int, mask: Mask) -> torch.Tensor:
-    """q `[T, n_heads, hd]`, kv `[T, 2, n_kv_heads, hd]` (cache rows) -> attention output `[T, n_heads * hd]`."""
+    """q `[T, n_heads, hd]`, kv `[T, 2, n_kv_heads, hd]` (cache rows) -> attention output `[T, n_heads * hd]`.
+
+    Where the native kernel takes this cache (`native_rows`), every query row, a decode step's or a
+    prefill chunk's, goes through it, reading the cache in place through its block table: each row's
+    bits then depend on its own query and the K/V before it alone, so a token computes alike in a
+    chunk of any size or alone (the model's `row_invariant`), and it is faster than SDPA here."""
     T, n_heads, hd = q.shape
+    kernel = native_rows(q, cache)
+    if kernel is not None:
+        cache.put(layer, pos, kv)
+        pool, table = cache.blocks(layer)
+        return kernel(q, pool, table, one_sequence(T), positions_after(pos, T)).view(T, n_heads * hd)
     if cache is not None:
         k_all, v_all = cache.write(layer, pos, kv)  # [1, n_kv, pos+T, hd] each
     else:
@@ -45,6 +62,29 @@ def attend(q: torch.Tensor, kv: torch.Tensor, cache: KVCache | None, layer: int,
     o = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k_all, v_all, attn_mask=mask[0],
                                        is_causal=mask[1], enable_gqa=k_all.shape[1] != n_heads)
     return o[0].transpose(0, 1).reshape(T, n_heads * hd)  # [1, n_heads, T, hd] -> [T, n_heads hd]
+
+
+def one_sequence(T: int) -> torch.Tensor:
+    """row_seq of T rows of the one sequence of a cache's block view: int32 zeros `[T]`."""
+    return torch.zeros(T, dtype=torch.int32)
+
+
+def positions_after(pos: int, T: int) -> torch.Tensor:
+    """row_len of queries at pos..pos+T-1 (causal): pos+1..pos+T, int32 `[T]`."""
+    return torch.arange(pos + 1, pos + T + 1, dtype=torch.int32)
+
+
+NATIVE_MAX_GROUP = 24  # query heads per KV head the native kernel takes (attention.cpp's kTileQueries)
+
+
+def native_rows(q: torch.Tensor, cache: KVCache | None):
+    """The native kernel where it takes these queries over this cache (bfloat16 on the CPU, head
+    dimension a multiple of 16, at most NATIVE_MAX_GROUP query heads per KV head), else None."""
+    if cache is None or q.dtype is not torch.bfloat16 or cache.dtype is not torch.bfloat16 or q.device.type != "cpu":
+        return None
+    if cache.head_dim % 16 or q.shape[1] % cache.n_kv_heads or q.shape[1] // cache.n_kv_heads > NATIVE_MAX_GROUP:
+        return None
+    return native.attention()
 
 
 def one_query(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

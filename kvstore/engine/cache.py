@@ -4,7 +4,8 @@ Layout per layer, token-major: `[capacity, 2 (K, V), n_kv_heads, head_dim]` in t
 the model's device. Token-major makes a checkpoint's new range one contiguous block (exactly what
 `state()` returns and the store writes), and a slice `[:length]` has the same strides whatever the
 capacity, so attention reads identical views before and after a resume. Capacity grows in fixed
-steps; `length` counts the positions whose K/V are valid in every layer.
+steps; `length` counts the positions whose K/V are valid in every layer. `blocks(layer)` views a
+layer as a paged pool (blocks of BLOCK tokens, in order) for kernels that read through block tables.
 
 On the CPU a cache's memory comes from, and goes back to, `POOL` (a `buffers.BufferPool`): memory
 written before fills several times faster than fresh pages. `release()` hands a cache's buffers to
@@ -23,6 +24,7 @@ from ..errors import InvalidArgument
 from .buffers import BufferPool
 
 GROW_STEP = 256  # capacity is a multiple of this many tokens
+BLOCK = GROW_STEP  # tokens per block of `blocks`' paged view
 HEADROOM = 1024  # room a restored cache gets beyond its tokens: the next ones do not copy it all (see `with_room`)
 
 
@@ -54,6 +56,7 @@ class KVCache:
         capacity = -(-capacity // GROW_STEP) * GROW_STEP  # what `reserve` would give an empty cache
         self.layers: list[torch.Tensor] = [self._empty(capacity, i) for i in range(n_layers)]
         self.length = 0
+        self._table = torch.zeros(1, 0, dtype=torch.int32, device=self.device)  # `blocks`' table, by capacity
 
     @property
     def capacity(self) -> int:
@@ -98,19 +101,31 @@ class KVCache:
             if old_flat is not None:
                 POOL.give(old_flat)
 
-    def write(self, layer: int, pos: int, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def put(self, layer: int, pos: int, kv: torch.Tensor) -> None:
         """The one write path of a forward: K/V rows `[T, 2, n_kv_heads, head_dim]` at positions
         pos..pos+T-1 of `layer`, one copy. Writing the last layer makes the positions valid
-        (`length` becomes pos+T): the model writes every layer of a token, in order.
-
-        Returns K and V of positions 0..pos+T-1 as `[1, n_kv_heads, pos+T, head_dim]` views."""
-        buf = self.layers[layer]
+        (`length` becomes pos+T): the model writes every layer of a token, in order."""
         end = pos + kv.shape[0]
-        buf[pos:end].copy_(kv)
+        self.layers[layer][pos:end].copy_(kv)
         if layer == self.n_layers - 1:
             self.length = end
+
+    def write(self, layer: int, pos: int, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`put`, then K and V of positions 0..pos+T-1 as `[1, n_kv_heads, pos+T, head_dim]` views."""
+        self.put(layer, pos, kv)
+        buf, end = self.layers[layer], pos + kv.shape[0]
         # [end, n_kv, hd] -> [1, n_kv, end, hd]
         return buf[:end, 0].transpose(0, 1).unsqueeze(0), buf[:end, 1].transpose(0, 1).unsqueeze(0)
+
+    def blocks(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`layer` as a paged pool for kernels that read through block tables: the buffer viewed as
+        `[capacity / BLOCK, BLOCK, 2, n_kv_heads, head_dim]` and its table `[1, capacity / BLOCK]`
+        int32 (0, 1, 2, ...: blocks in order), one sequence."""
+        buf = self.layers[layer]
+        n = buf.shape[0] // BLOCK
+        if self._table.shape[1] != n:
+            self._table = torch.arange(n, dtype=torch.int32, device=self.device)[None]
+        return buf.view(n, BLOCK, *self.token_shape), self._table
 
     @contextmanager
     def filling(self, end: int) -> Iterator[list[torch.Tensor]]:

@@ -130,6 +130,7 @@ def load_model(spec: str | os.PathLike, dtype: str | torch.dtype | None = None, 
     tensors = {k: v.to(dev) for k, v in tensors.items()}
     if dt == torch.bfloat16 and dev.type == "cpu":
         native.kernels()  # settle the kernels now: a first build on this machine belongs to loading
+        native.attention()
     return Model(cfg, tokenizer, fp, dt, dev, str(path), architecture(cfg).Net(cfg, tensors), held)
 
 

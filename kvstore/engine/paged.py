@@ -14,7 +14,7 @@ layout, on the CPU), under a memory budget.
 
 Paging changes no bit: attention reads exactly the rows a contiguous cache holds, in the same
 layout (`gather`: `[L, 2, n_kv, hd]`, the strides of `KVCache.layers[i][:L]`), and the native
-attention kernel reads them through the block table (`table_tensor`).
+attention kernel reads them in place through the block table (`blocks`).
 """
 
 from __future__ import annotations
@@ -99,6 +99,7 @@ class PagedCache:
         self.dtype, self.device = pool.dtype, pool.device
         self.table: list[int] = []
         self._rows: torch.Tensor | None = None  # flat row index of every position the table covers
+        self._table: torch.Tensor | None = None  # the table as the kernel takes it
         self.length = 0
         self.reserve(capacity)
 
@@ -109,10 +110,6 @@ class PagedCache:
     @property
     def token_shape(self) -> tuple[int, int, int]:
         return (2, self.n_kv_heads, self.head_dim)
-
-    def table_tensor(self) -> torch.Tensor:
-        """The block table as int32 `[n_blocks]` (the native attention kernel's)."""
-        return torch.tensor(self.table, dtype=torch.int32)
 
     def rows(self, start: int, end: int) -> torch.Tensor:
         """Flat pool row of each position start..end-1 (int64 `[end - start]`)."""
@@ -127,7 +124,7 @@ class PagedCache:
         need = -(-n_tokens // self.pool.block_tokens) - len(self.table)
         if need > 0:
             self.table += self.pool.alloc(need, have=len(self.table))
-            self._rows = None
+            self._rows = self._table = None
 
     def _own(self, start: int, end: int) -> None:
         """Copy-on-write: the blocks of positions start..end-1 that another cache shares become this
@@ -141,19 +138,30 @@ class PagedCache:
                     layer[new].copy_(layer[old])
                 self.pool.free([old])
                 self.table[b] = new
-                self._rows = None
+                self._rows = self._table = None
 
-    def write(self, layer: int, pos: int, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """KVCache.write: rows `[T, 2, n_kv, hd]` at pos..pos+T-1 of `layer`; K and V of positions
-        0..pos+T-1 as `[1, n_kv, pos+T, hd]` (gathered: a copy, laid out as a contiguous cache's)."""
+    def put(self, layer: int, pos: int, kv: torch.Tensor) -> None:
+        """KVCache.put: rows `[T, 2, n_kv, hd]` at pos..pos+T-1 of `layer`, into their blocks."""
         end = pos + kv.shape[0]
         if layer == 0:
             self.reserve(end)
             self._own(pos, end)
-        flat = self.pool.flat(layer)
-        flat.index_copy_(0, self.rows(pos, end), kv)
+        self.pool.flat(layer).index_copy_(0, self.rows(pos, end), kv)
         if layer == self.n_layers - 1:
             self.length = end
+
+    def blocks(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """KVCache.blocks: the pool's `layer` `[n_blocks, block_tokens, 2, n_kv, hd]` and this cache's
+        block table `[1, n]` int32, for the native attention, which reads the rows where they are."""
+        if self._table is None:
+            self._table = torch.tensor(self.table, dtype=torch.int32)[None]
+        return self.pool.layers[layer], self._table
+
+    def write(self, layer: int, pos: int, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`put`, then K and V of positions 0..pos+T-1 as `[1, n_kv, pos+T, hd]` (gathered: a copy,
+        laid out as a contiguous cache's)."""
+        self.put(layer, pos, kv)
+        end = pos + kv.shape[0]
         rows = self.gather(layer, end)  # [end, 2, n_kv, hd]
         return rows[:, 0].transpose(0, 1).unsqueeze(0), rows[:, 1].transpose(0, 1).unsqueeze(0)
 
@@ -212,4 +220,4 @@ class PagedCache:
 
     def release(self) -> None:
         self.pool.free(self.table)
-        self.table, self._rows, self.length = [], None, 0
+        self.table, self._rows, self._table, self.length = [], None, None, 0

@@ -11,6 +11,11 @@ failed (a NativeKernelWarning says why, once). The first call settles it for the
 with AVX2: AVX512-VNNI, AVX-VNNI or AVX2, the same bits on each), or None (KVSTORE_NATIVE=0, no
 AVX2, a failed build): then `quant_reference` computes the same bits with torch ops, slowly.
 
+`attention()` -> the `attention_rows` op of attention.cpp (the attention of query rows over a paged
+bfloat16 KV cache, its comment states the contract), or None: KVSTORE_NATIVE=0, a CPU without AVX512,
+a failed build. Settled once per process, like `kernels()`; kvstore/engine/attention.py decides
+where it runs.
+
 Bits: the two kernels round differently, so decoding is exact between runs that made the same
 choice. Every process on one machine makes the same one (unless KVSTORE_NATIVE differs); a session
 continued where the choice differs (another kind of CPU, KVSTORE_NATIVE=0) continues exactly as a
@@ -32,6 +37,7 @@ from .build import BuildError, has_compiler, is_built, load
 ENV = "KVSTORE_NATIVE"
 SOURCE = Path(__file__).with_name("kernels_bf16.cpp")
 QUANT_SOURCE = Path(__file__).with_name("kernels_quant.cpp")
+ATTENTION_SOURCE = Path(__file__).with_name("attention.cpp")
 
 
 class NativeKernelWarning(UserWarning):
@@ -56,6 +62,7 @@ class QuantKernels:
 
 _choice: tuple[Kernels | None, str] | None = None  # (the kernels or None, why), once settled
 _quant_choice: tuple[QuantKernels | None, str] | None = None
+_attention: tuple[Callable | None, str] | None = None  # (attention_rows or None, why), once settled
 
 
 def kernels() -> Kernels | None:
@@ -76,9 +83,9 @@ def quant() -> QuantKernels | None:
 
 def will_build() -> bool:
     """Whether settling the choices now compiles kernels first (about 10 s each here, once per machine)."""
-    if os.environ.get(ENV) == "0" or not has_compiler():
-        return False
-    return (_choice is None and not is_built(SOURCE)) or (_quant_choice is None and not is_built(QUANT_SOURCE))
+    unsettled = [src for src, choice in ((SOURCE, _choice), (QUANT_SOURCE, _quant_choice),
+                                         (ATTENTION_SOURCE, _attention)) if choice is None]
+    return os.environ.get(ENV) != "0" and has_compiler() and not all(is_built(src) for src in unsettled)
 
 
 def status() -> str:
@@ -93,8 +100,16 @@ def quant_status() -> str:
     return _quant_choice[1]
 
 
+def attention() -> Callable | None:
+    """The native attention over a paged bfloat16 KV cache, or None (see the module's docstring)."""
+    global _attention
+    if _attention is None:
+        _attention = _load_attention()
+    return _attention[0]
+
+
 def _built(source: Path, cost: str) -> str | None:
-    """None once `source`'s library is loaded; else why this process uses torch's kernels instead."""
+    """Why source's library cannot serve this process (then warned once), or None once it is loaded."""
     if os.environ.get(ENV) == "0":
         return f"torch's kernels ({ENV}=0)"
     try:
@@ -114,6 +129,14 @@ def _load_quant() -> tuple[QuantKernels | None, str]:
         return None, "torch's kernels (this CPU has no AVX2)"
     ops = torch.ops.kvstore
     return QuantKernels(ops.qgemm.default, ops.qembed.default, isa), f"native {isa.upper()} block-quantized kernels"
+
+
+def _load_attention() -> tuple[Callable | None, str]:
+    if (why := _built(ATTENTION_SOURCE, "attention over long contexts far slower")) is not None:
+        return None, why
+    if not torch.ops.kvstore.attention_avx512():
+        return None, "torch's attention (this CPU has no AVX512)"
+    return torch.ops.kvstore.attention_rows.default, "native AVX512 attention"
 
 
 def _load() -> tuple[Kernels | None, str]:

@@ -1,10 +1,10 @@
 """Compile a C++ source against torch into a shared library in the user's cache, once per machine.
 
-`library(source) -> Path`: the library built from this source with this torch and these flags
-(their hash names the file), compiled first when it is missing. `load(source)` loads it into the
-process (`torch.ops.load_library`), building it again once if the file is damaged. Several
-processes may ask at once: an `flock` lets one compile while the others wait, and the kernel frees
-it if that one dies. The compiler writes a temp file that is fsynced and renamed into place, so a
+`library(source) -> Path`: the library built from this source (and the headers next to it) with
+this torch and these flags (their hash names the file), compiled first when it is missing.
+`load(source)` loads it into the process (`torch.ops.load_library`), building it again once if the
+file is damaged. Several processes may ask at once: an `flock` lets one compile while the others
+wait, and the kernel frees it if that one dies. The compiler writes a temp file that is fsynced and renamed into place, so a
 killed or failed build never leaves a half-written library under the final name; the next build
 removes such temp files (`fileio.atomic_write`). `BuildError` lives in `kvstore.errors`.
 
@@ -75,11 +75,12 @@ def is_built(source: Path) -> bool:
 
 
 def _library_path(source: Path) -> Path:
-    """Named by a hash of what goes into the build: the source, the compiler's name, the flags and the
-    torch install (its version and folder, which fix the include and library paths). Without
-    importing torch.utils.cpp_extension, which costs a tenth of a second at every process start."""
+    """Named by a hash of what goes into the build: the source and the headers next to it (what its
+    `#include "..."` reaches), the compiler's name, the flags and the torch install (its version and
+    folder, which fix the include and library paths). Without importing torch.utils.cpp_extension,
+    which costs a tenth of a second at every process start."""
     try:
-        text = source.read_bytes()
+        text = b"".join(f.name.encode() + b"\0" + f.read_bytes() for f in [source, *sorted(source.parent.glob("*.h"))])
     except OSError as e:
         raise BuildError(f"cannot read {source} ({e.strerror or e}); reinstall kvstore") from e
     inputs = [compiler(), *FLAGS, _abi_flag(), torch.__version__, os.path.dirname(torch.__file__)]

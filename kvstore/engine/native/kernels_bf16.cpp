@@ -28,6 +28,8 @@
 
 #include <immintrin.h>
 
+#include "simd.h"
+
 #include <cmath>
 #include <cstdint>
 #include <optional>
@@ -41,7 +43,6 @@ constexpr int64_t kAhead = 4;   // prefetch the rows this many rows ahead (the n
 constexpr int64_t kGrain = 16;  // blocks: a thread takes at least this many
 constexpr int64_t kStep = 32;   // bfloat16 pairs per vdpbf16ps
 
-#define KV_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
 
 KV_AVX512_BF16 inline __m512bh load(const uint16_t* p, __mmask32 mask) {
   return (__m512bh)_mm512_maskz_loadu_epi16(mask, p);
@@ -158,27 +159,8 @@ at::Tensor gemv_rows_bf16(const at::Tensor& w_any, const at::Tensor& x_any, cons
 
 // ---- elementwise kernels: float32 lanes in, bfloat16 out -----------------------------------------
 
-inline __mmask16 lanes16(int64_t left) { return left >= 16 ? __mmask16(0xffff) : __mmask16((1u << left) - 1); }
-
-KV_AVX512_BF16 inline __m512 load16(const uint16_t* p, __mmask16 m) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
-}
-
 KV_AVX512_BF16 inline void store16(uint16_t* p, __mmask16 m, __m512 v) {
   _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(v));
-}
-
-// e^x for x <= 0: 2^n e^r with n = round(x / ln 2), r = x - n ln 2 (|r| <= 0.35, ln 2 in two parts),
-// e^r by its Taylor polynomial of degree 7 (relative error below 1e-8); scalef applies 2^n.
-KV_AVX512_BF16 inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));  // e^-104 is 0 in float32
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860682030941723e-6f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 5040);
-  for (float c : {1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f}) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
-  return _mm512_scalef_ps(p, n);
 }
 
 KV_AVX512_BF16 void rms_norm_row(const uint16_t* x, const uint16_t* w, uint16_t* out, int64_t H, float eps) {

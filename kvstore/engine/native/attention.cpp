@@ -1,0 +1,250 @@
+// attention_rows: the attention of query rows over a paged bfloat16 KV cache, on CPUs with AVX512.
+//
+// attention_rows(q [R, n_heads, hd], pool [n_blocks, block_tokens, 2 (K, V), n_kv, hd],
+//                tables [S, max_blocks] int32, row_seq [R] int32, row_len [R] int32) -> [R, n_heads, hd]
+// Row r is one query of sequence s = row_seq[r], attending to its positions 0..row_len[r]-1; position
+// p lives at slot p % block_tokens of block tables[s][p / block_tokens]. Query head h reads KV head
+// h / (n_heads / n_kv), scores scale by 1/sqrt(hd): SDPA's grouped-query mode and default scale. A
+// decode step of B sessions is B rows; a prefill chunk at positions pos..pos+T-1 is T rows of one
+// sequence with row_len pos+1..pos+T (causal).
+//
+// Contract (bits): a row's output depends on its query, its sequence's K/V at 0..row_len-1 and
+// row_len alone: not on the other rows, the thread count, the block size, the pool's size or where
+// the blocks sit. Per query head, in float32:
+// - keys go in groups of 16 positions (block sizes are multiples of 16: a group lies in one block),
+//   in position order, within partitions of 256 positions;
+// - a group's scores: q . k over pairs of dimensions in order, pair p adding q[2p+1] k[2p+1] and then
+//   q[2p] k[2p] (each product exact, each sum rounded) to one of two sums (even and odd pairs), added
+//   at the end, times 1/sqrt(hd); positions >= row_len are left out. vdpbf16ps computes exactly that
+//   where the CPU has AVX512-BF16, fused multiply-adds elsewhere (the same bits but for subnormals);
+// - online softmax within a partition: m' = max(m, scores), c = e^(m - m'), p = e^(s - m'),
+//   l = l c + p (16 lane sums), acc = acc c, then acc += p_j V_j by fused multiply-adds in position
+//   order; the partition's partial is (m, the lanes of l summed in a fixed tree, acc);
+// - partials fold left to right in partition order (`fold`), and the output is acc / l, rounded once
+//   to bfloat16 (nearest even).
+// Rows of one sequence next to each other share each load of K and V (a tile), and a long row's
+// partitions may run on several threads, their partials folded afterwards; neither changes a step
+// above: the floating-point code sits in functions that are never inlined (group_step, fold, finish,
+// lane_sum), so each is compiled once and every path runs the same instructions.
+// kvstore::attention_avx512() says whether this CPU can run it (AVX512 F, BW and VL);
+// kvstore::attention_dot_bf16() whether the scores use vdpbf16ps (tests turn it off to compare).
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include "attention_steps.h"
+#include "simd.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+namespace {
+
+std::atomic<bool> dot_bf16{has_avx512() && __builtin_cpu_supports("avx512bf16")};  // see attention_dot_bf16
+
+constexpr int64_t kPartition = 256;   // keys per partial softmax: what a long row splits into
+constexpr int64_t kTileQueries = 24;  // query heads (rows x heads per KV head) sharing each K/V load
+
+// Rows next to each other of one sequence, computed together.
+struct Tile {
+  int64_t row, rows, seq, max_len;
+  bool split;       // its partitions run as separate units, partials in the scratch
+  int64_t scratch;  // first record of its partials: [partitions][queries]
+  int64_t partitions() const { return (max_len + kPartition - 1) / kPartition; }
+};
+// A tile's queries go KV head by KV head: query i is row row + (i % (rows G)) / G, head
+// (i / (rows G)) G + i % G; the queries of one KV head are rows G consecutive ones.
+
+struct Unit {
+  int64_t tile, first, end;  // partitions first..end-1, every KV head
+  int64_t cost;
+};
+
+// ---- units ----------------------------------------------------------------------------------------
+
+// partitions u.first..u.end-1 of one tile, every KV head: folded and written out when the unit holds
+// all of them, else each partial into the scratch
+KV_AVX512 void run_unit(const Problem& pb, const Tile& t, const Unit& u, float* scratch, Work& w) {
+  const int64_t G = pb.group, hd = pb.hd, per_kv = t.rows * G, nq = per_kv * pb.n_kv, rec = pb.record();
+  for (int64_t i = 0; i < nq; i++) {
+    const uint16_t* q = pb.q + (t.row + i % per_kv / G) * pb.q_row + (i / per_kv * G + i % G) * pb.q_head;
+    for (int64_t d = 0; d < hd; d += 16) _mm512_store_ps(w.qf + i * hd + d, widen16(q + d));
+    std::copy(q, q + hd, w.qb + i * hd);
+  }
+  int64_t len[kTileQueries], valid[kTileQueries];  // of the queries of one KV head (the same for each)
+  for (int64_t i = 0; i < per_kv; i++) len[i] = pb.row_len[t.row + i / G];
+  const int64_t stride = pb.token_stride();
+  for (int64_t part = u.first; part < u.end; part++) {
+    const int64_t start = part * kPartition, end = std::min(start + kPartition, t.max_len);
+    std::fill(w.m, w.m + nq, kNegInf);
+    std::fill(w.lsum, w.lsum + nq * kGroup, 0.0f);
+    std::fill(w.acc, w.acc + nq * hd, 0.0f);
+    for (int64_t g = start; g < end; g += kGroup) {
+      for (int64_t i = 0; i < per_kv; i++) valid[i] = std::clamp<int64_t>(len[i] - g, 0, kGroup);
+      const uint16_t* rows = pb.token(t.seq, g);
+      read_in_order(rows, std::min(kGroup, t.max_len - g) * stride);
+      for (int64_t kv = 0; kv < pb.n_kv; kv++)
+        group_step(pb, rows + kv * hd, std::min(kGroup, t.max_len - g), valid, kv * per_kv, per_kv, w);
+    }
+    for (int64_t i = 0; i < nq; i++) {
+      if (len[i % per_kv] <= start) continue;
+      const float l = lane_sum(w.lsum + i * kGroup);
+      if (t.split) {
+        float* r = scratch + (t.scratch + part * nq + i) * rec;
+        std::copy(w.acc + i * hd, w.acc + (i + 1) * hd, r);
+        r[hd] = w.m[i];
+        r[hd + 1] = l;
+      } else {
+        fold(w.fold + i * rec, w.acc + i * hd, w.m[i], l, hd, part == 0);
+      }
+    }
+  }
+  if (t.split) return;
+  for (int64_t i = 0; i < nq; i++)
+    finish(w.fold + i * rec, hd, pb.out + ((t.row + i % per_kv / G) * pb.n_heads + i / per_kv * G + i % G) * hd);
+}
+
+// a split tile's partials, folded in partition order and written out
+void fold_unit(const Problem& pb, const Tile& t, const float* scratch, float* f) {
+  const int64_t G = pb.group, hd = pb.hd, per_kv = t.rows * G, nq = per_kv * pb.n_kv, rec = pb.record();
+  for (int64_t i = 0; i < nq; i++) {
+    const int64_t row = t.row + i % per_kv / G, parts = (pb.row_len[row] + kPartition - 1) / kPartition;
+    for (int64_t part = 0; part < parts; part++) {
+      const float* r = scratch + (t.scratch + part * nq + i) * rec;
+      fold(f, r, r[hd], r[hd + 1], hd, part == 0);
+    }
+    finish(f, hd, pb.out + (row * pb.n_heads + i / per_kv * G + i % G) * hd);
+  }
+}
+
+// runs body(i, work) for i in 0..n-1, each on some thread, threads taking the next i as they finish
+template <typename F>
+void each(int64_t n, int64_t queries, const Problem& pb, const F& body) {
+  std::atomic<int64_t> next{0};
+  const auto run = [&](int64_t, int64_t) {
+    Work w(queries, pb.hd, pb.record());
+    for (int64_t i; (i = next.fetch_add(1)) < n;) body(i, w);
+  };
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), n);
+  if (threads <= 1) return run(0, 1);  // no parallel region: its threads would only wake to wait
+  at::parallel_for(0, threads, 1, run);
+}
+
+// ---- the op ---------------------------------------------------------------------------------------
+
+void check_tensor(const at::Tensor& t, const char* what, at::ScalarType type, int64_t dims) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == type && t.dim() == dims, "attention_rows: ", what, " must be a ",
+              type, " CPU tensor with ", dims, " dimension(s), not ", t.scalar_type(), " ", t.sizes(),
+              " on ", t.device());
+}
+
+Problem problem(const at::Tensor& q, const at::Tensor& pool, const at::Tensor& tables, const at::Tensor& row_seq,
+                const at::Tensor& row_len) {
+  check_tensor(q, "q", at::kBFloat16, 3);
+  check_tensor(pool, "the pool", at::kBFloat16, 5);
+  check_tensor(tables, "the block tables", at::kInt, 2);
+  check_tensor(row_seq, "row_seq", at::kInt, 1);
+  check_tensor(row_len, "row_len", at::kInt, 1);
+  const int64_t R = q.size(0), H = q.size(1), hd = q.size(2);
+  const int64_t n_blocks = pool.size(0), bt = pool.size(1), n_kv = pool.size(3);
+  TORCH_CHECK(q.stride(2) == 1, "attention_rows: q's rows must be contiguous");
+  TORCH_CHECK(pool.is_contiguous(), "attention_rows: the pool must be contiguous");
+  TORCH_CHECK(pool.size(2) == 2 && pool.size(4) == hd, "attention_rows: the pool must be [n_blocks, block_tokens, 2, ",
+              "n_kv, ", hd, "] for queries of ", hd, " dimensions, not ", pool.sizes());
+  TORCH_CHECK(hd % 16 == 0 && hd > 0, "attention_rows: the head dimension must be a multiple of 16, not ", hd);
+  TORCH_CHECK(bt % kGroup == 0 && bt > 0, "attention_rows: block_tokens must be a multiple of ", kGroup, ", not ", bt);
+  TORCH_CHECK(n_kv > 0 && H % n_kv == 0 && H / n_kv <= kTileQueries, "attention_rows: ", H,
+              " query heads cannot share ", n_kv, " KV heads (at most ", kTileQueries, " per KV head)");
+  TORCH_CHECK(row_seq.size(0) == R && row_len.size(0) == R, "attention_rows: row_seq and row_len must hold ", R,
+              " rows, one per query, not ", row_seq.size(0), " and ", row_len.size(0));
+  TORCH_CHECK(tables.is_contiguous() && row_seq.is_contiguous() && row_len.is_contiguous(),
+              "attention_rows: tables, row_seq and row_len must be contiguous");
+  const int64_t S = tables.size(0), max_blocks = tables.size(1);
+  const int32_t *tab = tables.data_ptr<int32_t>(), *seq = row_seq.data_ptr<int32_t>(), *len = row_len.data_ptr<int32_t>();
+  for (int64_t r = 0; r < R; r++) {
+    TORCH_CHECK(seq[r] >= 0 && seq[r] < S, "attention_rows: row ", r, " names sequence ", seq[r], " of ", S);
+    TORCH_CHECK(len[r] >= 1 && len[r] <= max_blocks * bt, "attention_rows: row ", r, " attends to ", len[r],
+                " positions; its table holds 1..", max_blocks * bt);
+    for (int64_t b = 0; b < (len[r] + bt - 1) / bt; b++) {
+      const int32_t block = tab[seq[r] * max_blocks + b];
+      TORCH_CHECK(block >= 0 && block < n_blocks, "attention_rows: sequence ", seq[r], "'s block ", b, " is ", block,
+                  ", outside the pool's ", n_blocks, " blocks");
+    }
+  }
+  return Problem{static_cast<const uint16_t*>(q.data_ptr()), q.stride(0), q.stride(1),
+                 static_cast<const uint16_t*>(pool.data_ptr()), tab, seq, len, nullptr, H, n_kv, H / n_kv, hd, bt,
+                 max_blocks, float(1.0 / std::sqrt(double(hd))), dot_bf16.load()};
+}
+
+at::Tensor attention_rows(const at::Tensor& q, const at::Tensor& pool, const at::Tensor& tables,
+                          const at::Tensor& row_seq, const at::Tensor& row_len) {
+  TORCH_CHECK(has_avx512(), "attention_rows: this CPU has no AVX512 (F, BW, VL)");
+  Problem pb = problem(q, pool, tables, row_seq, row_len);
+  const int64_t R = q.size(0), G = pb.group, tile_rows = std::max<int64_t>(1, kTileQueries / G);
+  at::Tensor out = at::empty({R, pb.n_heads, pb.hd}, q.options());
+  pb.out = static_cast<uint16_t*>(out.data_ptr());
+  if (R == 0) return out;
+
+  std::vector<Tile> tiles;
+  int64_t total = 0;
+  for (int64_t r = 0; r < R; r++) {
+    if (tiles.empty() || tiles.back().seq != pb.row_seq[r] || tiles.back().rows == tile_rows)
+      tiles.push_back(Tile{r, 0, pb.row_seq[r], 0, false, 0});
+    tiles.back().rows++;
+    tiles.back().max_len = std::max<int64_t>(tiles.back().max_len, pb.row_len[r]);
+    total += pb.row_len[r];
+  }
+  // split what would leave threads idle: a tile with more than a quarter of a thread's share
+  const int64_t threads = at::get_num_threads();
+  int64_t scratch_records = 0;
+  std::vector<Unit> units;
+  for (int64_t i = 0; i < int64_t(tiles.size()); i++) {
+    Tile& t = tiles[i];
+    t.split = t.partitions() > 1 && t.max_len * t.rows * 4 * threads > total;
+    t.scratch = scratch_records;
+    if (t.split) scratch_records += t.partitions() * t.rows * pb.n_heads;
+    if (!t.split) units.push_back(Unit{i, 0, t.partitions(), t.max_len * t.rows});
+    for (int64_t part = 0; t.split && part < t.partitions(); part++)
+      units.push_back(Unit{i, part, part + 1, std::min(kPartition, t.max_len - part * kPartition) * t.rows});
+  }
+  std::stable_sort(units.begin(), units.end(), [](const Unit& a, const Unit& b) { return a.cost > b.cost; });
+  at::Tensor scratch = at::empty({scratch_records * pb.record()}, q.options().dtype(at::kFloat));
+  float* partials = scratch.data_ptr<float>();
+  const int64_t queries = tile_rows * pb.n_heads;
+  each(int64_t(units.size()), queries, pb, [&](int64_t i, Work& w) { run_unit(pb, tiles[units[i].tile], units[i], partials, w); });
+  if (scratch_records == 0) return out;
+  std::vector<int64_t> folds;  // the split tiles
+  for (int64_t i = 0; i < int64_t(tiles.size()); i++)
+    if (tiles[i].split) folds.push_back(i);
+  each(int64_t(folds.size()), queries, pb, [&](int64_t i, Work& w) { fold_unit(pb, tiles[folds[i]], partials, w.fold); });
+  return out;
+}
+
+bool attention_avx512() { return has_avx512(); }
+
+// Whether the scores use vdpbf16ps (by default where the CPU has it); set(false) makes them take the
+// fused multiply-adds, for tests that compare the two. Returns the setting before.
+bool attention_dot_bf16(std::optional<bool> set) {
+  static const bool present = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512bf16") != 0;
+  }();
+  const bool before = dot_bf16.load();
+  if (set.has_value()) dot_bf16.store(*set && present);
+  return before;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvstore, m) {
+  m.def("attention_avx512() -> bool", &attention_avx512);
+  m.def("attention_dot_bf16(bool? set=None) -> bool", &attention_dot_bf16);
+  m.def("attention_rows(Tensor q, Tensor pool, Tensor tables, Tensor row_seq, Tensor row_len) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(kvstore, CPU, m) { m.impl("attention_rows", &attention_rows); }

@@ -1,0 +1,285 @@
+// The arithmetic of attention.cpp's attention_rows (its comment states the contract): one group of 16
+// keys for the queries of one KV head (scores, online softmax, weighted values), a partition's partial
+// folded into the ones before, the output rounded. Included by attention.cpp alone.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+
+#include <immintrin.h>
+
+#include "simd.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <limits>
+#include <memory>
+
+namespace {
+
+constexpr int64_t kGroup = 16;  // keys scored at once, one per float32 lane
+constexpr int kSub = 4;         // queries held in registers at once
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+#define KV_NOINLINE __attribute__((noinline))
+
+// What every unit of work reads.
+struct Problem {
+  const uint16_t* q;            // [R, n_heads, hd] through q_row / q_head strides
+  int64_t q_row, q_head;
+  const uint16_t* pool;         // [n_blocks, block_tokens, 2, n_kv, hd]
+  const int32_t* tables;        // [S, max_blocks]
+  const int32_t* row_seq;
+  const int32_t* row_len;
+  uint16_t* out;                // [R, n_heads, hd]
+  int64_t n_heads, n_kv, group, hd, block_tokens, max_blocks;
+  float scale;
+  bool dot_bf16;  // the scores by vdpbf16ps (see scores_bf16)
+
+  int64_t token_stride() const { return 2 * n_kv * hd; }
+  int64_t record() const { return hd + 16; }  // floats per partial: acc [hd], m, l, padding to 64 bytes
+  // the cache row of position p of sequence s: K of each KV head, then V of each
+  const uint16_t* token(int64_t s, int64_t p) const {
+    const int64_t block = tables[s * max_blocks + p / block_tokens];
+    return pool + (block * block_tokens + p % block_tokens) * token_stride();
+  }
+};
+
+// Per-thread working memory, 64-byte aligned, sized for `queries` queries.
+struct Work {
+  std::unique_ptr<float, decltype(&std::free)> mem{nullptr, &std::free};
+  float *qf, *p, *lsum, *m, *corr, *acc, *fold;
+  uint16_t* qb;
+  uint32_t* kt;
+  Work(int64_t queries, int64_t hd, int64_t record) {
+    const int64_t sizes[] = {queries * hd, queries * kGroup, queries * kGroup, queries,
+                             queries, queries * hd, queries * record, queries * hd / 2, hd / 2 * kGroup};
+    int64_t total = 0;
+    for (int64_t n : sizes) total += (n + 15) / 16 * 16;
+    mem.reset(static_cast<float*>(std::aligned_alloc(64, total * sizeof(float))));
+    TORCH_CHECK(mem, "attention_rows: out of memory");
+    float* at = mem.get();
+    float* qb_kt[2];
+    float** parts[] = {&qf, &p, &lsum, &m, &corr, &acc, &fold, &qb_kt[0], &qb_kt[1]};
+    for (int i = 0; i < 9; i++) {
+      *parts[i] = at;
+      at += (sizes[i] + 15) / 16 * 16;
+    }
+    qb = reinterpret_cast<uint16_t*>(qb_kt[0]);
+    kt = reinterpret_cast<uint32_t*>(qb_kt[1]);
+  }
+};
+
+// ---- one group of 16 keys ------------------------------------------------------------------------
+
+KV_AVX512 inline void transpose16(__m512i r[16]) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  // u[4a + e], 128-bit lane L: rows 4a..4a+3 of column 4L + e
+  for (int e = 0; e < 4; e++) {
+    const __m512i v_lo = _mm512_shuffle_i32x4(u[e], u[4 + e], 0x88), v_hi = _mm512_shuffle_i32x4(u[e], u[4 + e], 0xdd);
+    const __m512i w_lo = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0x88);
+    const __m512i w_hi = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0xdd);
+    r[e] = _mm512_shuffle_i32x4(v_lo, w_lo, 0x88);
+    r[8 + e] = _mm512_shuffle_i32x4(v_lo, w_lo, 0xdd);
+    r[4 + e] = _mm512_shuffle_i32x4(v_hi, w_hi, 0x88);
+    r[12 + e] = _mm512_shuffle_i32x4(v_hi, w_hi, 0xdd);
+  }
+}
+
+// K rows (16 from k, `stride` elements apart) -> kt [hd / 2][16]: pair-major, each lane one key's
+// bfloat16 pair (dimensions 2p, 2p + 1) as 32 bits
+KV_AVX512 void keys_by_pairs(const uint16_t* k, int64_t stride, int64_t hd, uint32_t* kt) {
+  for (int64_t b = 0; b < hd; b += 32) {
+    const int64_t pairs = std::min<int64_t>(16, (hd - b) / 2);
+    const __mmask16 mask = lanes16(pairs);
+    __m512i r[16];
+    for (int j = 0; j < 16; j++) r[j] = _mm512_maskz_loadu_epi32(mask, k + j * stride + b);
+    transpose16(r);  // r[i]: pair i of this stretch for the 16 keys
+    for (int64_t i = 0; i < pairs; i++) _mm512_store_si512(kt + (b / 2 + i) * kGroup, r[i]);
+  }
+}
+
+// Scores of N queries against the 16 keys of kt, scaled, into s [N][16]. A query's dot product runs
+// in two sums, of the even and of the odd pairs, added at the end; pair p adds q[2p+1] k[2p+1], then
+// q[2p] k[2p], each rounded (products of bfloat16 values are exact in float32). That is what
+// vdpbf16ps computes (AVX512-BF16, q's pairs in qb [N][hd]), and what fused multiply-adds compute from
+// the widened values (qf [N][hd]) on CPUs without it; the two differ only where a value or a sum is
+// subnormal (vdpbf16ps reads and writes those as 0).
+template <int N>
+KV_AVX512_BF16 void scores_bf16(const uint16_t* qb, const float*, int64_t hd, const uint32_t* kt, float scale, float* s) {
+  __m512 sum[N][2];
+  for (int i = 0; i < N; i++) sum[i][0] = sum[i][1] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < hd / 2; p += 2)
+    for (int c = 0; c < 2; c++) {
+      const __m512bh k = (__m512bh)_mm512_load_si512(kt + (p + c) * kGroup);
+      for (int i = 0; i < N; i++) {
+        const uint32_t* pairs = reinterpret_cast<const uint32_t*>(qb + i * hd);
+        sum[i][c] = _mm512_dpbf16_ps(sum[i][c], k, (__m512bh)_mm512_set1_epi32(int32_t(pairs[p + c])));
+      }
+    }
+  for (int i = 0; i < N; i++) _mm512_store_ps(s + i * kGroup, _mm512_mul_ps(_mm512_add_ps(sum[i][0], sum[i][1]), _mm512_set1_ps(scale)));
+}
+
+template <int N>
+KV_AVX512 void scores_fma(const uint16_t*, const float* qf, int64_t hd, const uint32_t* kt, float scale, float* s) {
+  const __m512i high = _mm512_set1_epi32(int32_t(0xffff0000u));
+  __m512 sum[N][2];
+  for (int i = 0; i < N; i++) sum[i][0] = sum[i][1] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < hd / 2; p += 2)
+    for (int c = 0; c < 2; c++) {
+      const __m512i k = _mm512_load_si512(kt + (p + c) * kGroup);
+      const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(k, 16)), odd = _mm512_castsi512_ps(_mm512_and_si512(k, high));
+      const int64_t d = 2 * (p + c);
+      for (int i = 0; i < N; i++) {
+        sum[i][c] = _mm512_fmadd_ps(_mm512_set1_ps(qf[i * hd + d + 1]), odd, sum[i][c]);
+        sum[i][c] = _mm512_fmadd_ps(_mm512_set1_ps(qf[i * hd + d]), even, sum[i][c]);
+      }
+    }
+  for (int i = 0; i < N; i++) _mm512_store_ps(s + i * kGroup, _mm512_mul_ps(_mm512_add_ps(sum[i][0], sum[i][1]), _mm512_set1_ps(scale)));
+}
+
+// acc[i] = acc[i] corr[i] + sum_j p[i][j] v[j] over the first valid[i] keys (V rows from v, `stride`
+// apart, widened as they are read), for N queries and W x 16 dimensions from d0; queries with no valid
+// key are left alone
+template <int N, int W>
+KV_AVX512 void weighted_values(const float* p, const float* corr, const int64_t* valid, const uint16_t* v,
+                               int64_t stride, int64_t hd, int64_t d0, float* acc) {
+  __m512 a[N][W];
+  int64_t keys = 0;
+  for (int i = 0; i < N; i++) {
+    keys = std::max(keys, valid[i]);
+    const __m512 c = _mm512_set1_ps(corr[i]);
+    for (int w = 0; w < W; w++) a[i][w] = valid[i] ? _mm512_mul_ps(_mm512_load_ps(acc + i * hd + d0 + 16 * w), c) : c;
+  }
+  for (int64_t j = 0; j < keys; j++) {
+    __m512 vj[W];
+    for (int w = 0; w < W; w++) vj[w] = widen16(v + j * stride + d0 + 16 * w);
+    for (int i = 0; i < N; i++) {
+      if (j >= valid[i]) continue;
+      const __m512 pj = _mm512_set1_ps(p[i * kGroup + j]);
+      for (int w = 0; w < W; w++) a[i][w] = _mm512_fmadd_ps(pj, vj[w], a[i][w]);
+    }
+  }
+  for (int i = 0; i < N; i++)
+    if (valid[i])
+      for (int w = 0; w < W; w++) _mm512_store_ps(acc + i * hd + d0 + 16 * w, a[i][w]);
+}
+
+template <int N>
+void weighted_values_n(const float* p, const float* corr, const int64_t* valid, const uint16_t* v, int64_t stride,
+                       int64_t hd, int64_t d0, int64_t width, float* acc) {
+  switch (width) {
+    case 1: return weighted_values<N, 1>(p, corr, valid, v, stride, hd, d0, acc);
+    case 2: return weighted_values<N, 2>(p, corr, valid, v, stride, hd, d0, acc);
+    case 3: return weighted_values<N, 3>(p, corr, valid, v, stride, hd, d0, acc);
+    default: return weighted_values<N, 4>(p, corr, valid, v, stride, hd, d0, acc);
+  }
+}
+
+// One group for the nq queries of one KV head, the unit's queries first..first+nq-1: k points at the
+// group's first K row of that head, valid[i] counts the group's keys query first + i sees (0..16),
+// keys the most of them.
+KV_AVX512 KV_NOINLINE void group_step(const Problem& pb, const uint16_t* k, int64_t keys, const int64_t* valid,
+                                      int64_t first, int64_t nq, Work& w) {
+  const int64_t hd = pb.hd, stride = pb.token_stride(), v_off = pb.n_kv * hd;  // V of the head: v_off on
+  const uint16_t* qb_all = w.qb + first * hd;
+  float *qf_all = w.qf + first * hd, *p_all = w.p + first * kGroup, *lsum = w.lsum + first * kGroup;
+  float *m_all = w.m + first, *corr_all = w.corr + first, *acc_all = w.acc + first * hd;
+  keys_by_pairs(k, stride, hd, w.kt);
+  for (int64_t i = 0; i < nq; i += kSub) {
+    const int64_t n = std::min<int64_t>(kSub, nq - i);
+    if (*std::max_element(valid + i, valid + i + n) == 0) continue;
+    const uint16_t* qb = qb_all + i * hd;
+    const float* qf = qf_all + i * hd;
+    float* s = p_all + i * kGroup;
+    switch (n + (pb.dot_bf16 ? 4 : 0)) {
+      case 1: scores_fma<1>(qb, qf, hd, w.kt, pb.scale, s); break;
+      case 2: scores_fma<2>(qb, qf, hd, w.kt, pb.scale, s); break;
+      case 3: scores_fma<3>(qb, qf, hd, w.kt, pb.scale, s); break;
+      case 4: scores_fma<4>(qb, qf, hd, w.kt, pb.scale, s); break;
+      case 5: scores_bf16<1>(qb, qf, hd, w.kt, pb.scale, s); break;
+      case 6: scores_bf16<2>(qb, qf, hd, w.kt, pb.scale, s); break;
+      case 7: scores_bf16<3>(qb, qf, hd, w.kt, pb.scale, s); break;
+      default: scores_bf16<4>(qb, qf, hd, w.kt, pb.scale, s); break;
+    }
+  }
+  for (int64_t i = 0; i < nq; i++) {
+    if (valid[i] == 0) continue;
+    const __mmask16 mask = lanes16(valid[i]);
+    const __m512 s = _mm512_mask_blend_ps(mask, _mm512_set1_ps(kNegInf), _mm512_load_ps(p_all + i * kGroup));
+    const float m = std::max(m_all[i], _mm512_reduce_max_ps(s));
+    // e^0 is exactly 1 (the polynomial at 0, scaled by 2^0): skipping it changes no bit
+    const float c = m_all[i] == kNegInf ? 0.0f
+                    : m_all[i] == m     ? 1.0f
+                                        : _mm512_cvtss_f32(exp_nonpositive(_mm512_set1_ps(m_all[i] - m)));
+    const __m512 p = _mm512_maskz_mov_ps(mask, exp_nonpositive(_mm512_sub_ps(s, _mm512_set1_ps(m))));
+    _mm512_store_ps(lsum + i * kGroup, _mm512_fmadd_ps(_mm512_load_ps(lsum + i * kGroup), _mm512_set1_ps(c), p));
+    _mm512_store_ps(p_all + i * kGroup, p);
+    m_all[i] = m;
+    corr_all[i] = c;
+  }
+  for (int64_t i = 0; i < nq; i += kSub) {
+    const int64_t n = std::min<int64_t>(kSub, nq - i);
+    for (int64_t d0 = 0; d0 < hd; d0 += 64) {
+      const int64_t width = std::min<int64_t>(4, (hd - d0) / 16);
+      const float *p = p_all + i * kGroup, *corr = corr_all + i;
+      float* acc = acc_all + i * hd;
+      switch (n) {
+        case 1: weighted_values_n<1>(p, corr, valid + i, k + v_off, stride, hd, d0, width, acc); break;
+        case 2: weighted_values_n<2>(p, corr, valid + i, k + v_off, stride, hd, d0, width, acc); break;
+        case 3: weighted_values_n<3>(p, corr, valid + i, k + v_off, stride, hd, d0, width, acc); break;
+        default: weighted_values_n<4>(p, corr, valid + i, k + v_off, stride, hd, d0, width, acc); break;
+      }
+    }
+  }
+}
+
+// Touches the group's rows (16 tokens of one block, each head's K then V: one stretch of memory) once
+// in address order. The reads across rows that follow are no stream the hardware prefetcher follows;
+// these loads are, which doubles the speed at which the cache comes from memory here (Zen 5), more than
+// software prefetches did.
+inline void read_in_order(const uint16_t* rows, int64_t elements) {
+  const volatile char* bytes = reinterpret_cast<const volatile char*>(rows);
+  for (int64_t b = 0; b < elements * 2; b += 64) (void)bytes[b];
+}
+
+// ---- partials -------------------------------------------------------------------------------------
+
+// f (a record: acc [hd], m, l) = the partial (acc, m, l) when first, else f folded with it
+KV_AVX512 KV_NOINLINE void fold(float* f, const float* acc, float m, float l, int64_t hd, bool first) {
+  if (first) {
+    std::copy(acc, acc + hd, f);
+    f[hd] = m;
+    f[hd + 1] = l;
+    return;
+  }
+  const float top = std::max(f[hd], m);
+  const __m512 a = exp_nonpositive(_mm512_set1_ps(f[hd] - top)), b = exp_nonpositive(_mm512_set1_ps(m - top));
+  for (int64_t d = 0; d < hd; d += 16)
+    _mm512_store_ps(f + d, _mm512_fmadd_ps(_mm512_load_ps(f + d), a, _mm512_mul_ps(_mm512_load_ps(acc + d), b)));
+  const __m512 sum = _mm512_fmadd_ps(_mm512_set1_ps(f[hd + 1]), a, _mm512_mul_ps(_mm512_set1_ps(l), b));
+  f[hd] = top;
+  f[hd + 1] = _mm512_cvtss_f32(sum);
+}
+
+// the output of a folded record: acc / l, rounded to bfloat16
+KV_NOINLINE void finish(const float* f, int64_t hd, uint16_t* out) {
+  const float l = f[hd + 1];
+  for (int64_t d = 0; d < hd; d++) out[d] = c10::BFloat16(f[d] / l).x;
+}
+
+// the sum of a query's 16 lane sums, in _mm512_reduce_add_ps's fixed tree
+KV_AVX512 KV_NOINLINE float lane_sum(const float* lsum) { return _mm512_reduce_add_ps(_mm512_load_ps(lsum)); }
+
+}  // namespace

@@ -1,0 +1,256 @@
+"""The native attention over a paged KV cache (`native.attention()`, attention.cpp's
+`attention_rows`): close to SDPA, and bits that depend on a row's own query, K/V and length alone
+(torch.equal) whatever else changes: the other rows of the call (1, 3 or 7 of other lengths, decode
+and prefill rows mixed), the thread count, the block size, the pool's size, where the blocks sit,
+and whether a prefill runs in one call, in chunks or one position at a time. Slots past a
+sequence's length and table entries past its blocks hold NaN and -1: never read. Bad input is
+refused with a message that names it. Skips where this process has no native attention."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.testing import assert_close
+
+from kvstore.engine import native
+
+pytestmark = pytest.mark.skipif(native.attention() is None, reason=f"no native attention: {native._attention[1]}")
+
+
+def attention_rows(*args):
+    return native.attention()(*args)
+
+
+def sequences(lengths, n_kv=3, hd=64, seed=0):
+    """K/V rows `[L, 2, n_kv, hd]` (bfloat16) of one sequence per length."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(n, 2, n_kv, hd, generator=g).to(torch.bfloat16) for n in lengths]
+
+
+def paged(seqs, block=256, spare=0, shuffle=None, width=None):
+    """The sequences laid into one pool of `block`-token blocks: (pool, tables). `spare` unused blocks,
+    blocks in a shuffled order (a seed) or in order, tables `width` entries wide (-1 past a sequence's
+    blocks); free slots hold NaN."""
+    counts = [math.ceil(s.shape[0] / block) for s in seqs]
+    n_blocks = sum(counts) + spare
+    where = torch.randperm(n_blocks, generator=torch.Generator().manual_seed(shuffle)) if shuffle is not None \
+        else torch.arange(n_blocks)
+    pool = torch.full((n_blocks, block, *seqs[0].shape[1:]), float("nan"), dtype=torch.bfloat16)
+    tables = torch.full((len(seqs), width or max(counts)), -1, dtype=torch.int32)
+    taken = 0
+    for i, s in enumerate(seqs):
+        for b in range(counts[i]):
+            rows = s[b * block:(b + 1) * block]
+            pool[where[taken], :rows.shape[0]] = rows
+            tables[i, b] = int(where[taken])
+            taken += 1
+    return pool, tables
+
+
+def queries(n, n_heads=9, hd=64, seed=1):
+    return torch.randn(n, n_heads, hd, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+
+
+def run(q, pool, tables, seq, lens):
+    return attention_rows(q, pool, tables, torch.tensor(seq, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32))
+
+
+def sdpa(q, seqs, seq, lens):
+    """Each row through SDPA in float32 (grouped-query heads, default scale)."""
+    out = []
+    for r in range(q.shape[0]):
+        kv = seqs[seq[r]][:lens[r]].float()
+        k, v = kv[:, 0].transpose(0, 1)[None], kv[:, 1].transpose(0, 1)[None]  # [1, n_kv, L, hd]
+        out.append(F.scaled_dot_product_attention(q[r].float()[None, :, None], k, v, enable_gqa=True)[0, :, 0])
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("n_heads,n_kv,hd", [(9, 3, 64), (4, 4, 16), (8, 2, 32), (4, 1, 128), (12, 1, 48)])
+def test_rows_are_sdpa_over_each_rows_positions(n_heads, n_kv, hd):
+    lens = [1, 15, 16, 17, 255, 256, 257, 700, 1000]
+    seqs = sequences([1000, 300], n_kv, hd)
+    seq = [0] * 7 + [1, 0]
+    lens = [min(n, seqs[s].shape[0]) for n, s in zip(lens, seq)]
+    q = queries(len(lens), n_heads, hd)
+    pool, tables = paged(seqs, block=32, spare=3, shuffle=4)
+    out = run(q, pool, tables, seq, lens)
+    assert out.shape == q.shape and out.dtype == torch.bfloat16
+    assert_close(out.float(), sdpa(q, seqs, seq, lens), rtol=2e-2, atol=2e-2)
+
+
+def test_a_prefill_chunk_is_causal_rows():
+    seqs = sequences([600])
+    pos, T = 500, 100
+    q = queries(T)
+    out = run(q, *paged(seqs), [0] * T, list(range(pos + 1, pos + T + 1)))
+    mask = torch.full((T, pos + T), float("-inf")).triu_(pos + 1)
+    kv = seqs[0].float()
+    k, v = kv[:, 0].transpose(0, 1)[None], kv[:, 1].transpose(0, 1)[None]
+    expected = F.scaled_dot_product_attention(q.float().transpose(0, 1)[None], k, v, attn_mask=mask, enable_gqa=True)
+    assert_close(out.float(), expected[0].transpose(0, 1), rtol=2e-2, atol=2e-2)
+
+
+LENGTHS = [3000, 1, 17, 256, 513, 900, 2048, 40]  # the row under test first, then others
+
+
+@pytest.mark.parametrize("others", [0, 1, 3, 7])
+def test_a_rows_bits_do_not_depend_on_the_other_rows(others):
+    seqs = sequences(LENGTHS)
+    pool, tables = paged(seqs, block=16, shuffle=0)
+    q = queries(1 + others + 5, seed=2)
+    alone = run(q[:1], pool, tables, [0], [3000])
+    # the row among decode rows of other sequences, and after a prefill chunk of another (sequence 5)
+    seq = [5] * 5 + list(range(1 + others))
+    lens = list(range(896, 901)) + LENGTHS[:1 + others]
+    mixed = run(torch.cat([q[1 + others:], q[:1 + others]]), pool, tables, seq, lens)
+    assert torch.equal(mixed[5], alone[0])
+    # and each of the others as it would come alone
+    for i in range(1, 1 + others):
+        assert torch.equal(mixed[5 + i], run(q[i:i + 1], pool, tables, [i], [LENGTHS[i]])[0])
+
+
+def test_bits_do_not_depend_on_block_size_pool_size_or_where_blocks_sit():
+    seqs = sequences([2100, 700])
+    q, seq, lens = queries(4, seed=3), [0, 1, 0, 0], [2100, 700, 1, 1500]
+    first = run(q, *paged(seqs, block=256), seq, lens)
+    for layout in (dict(block=16), dict(block=32, shuffle=1), dict(block=256, spare=9, shuffle=2, width=40),
+                   dict(block=512, spare=1)):
+        assert torch.equal(run(q, *paged(seqs, **layout), seq, lens), first), layout
+
+
+def test_bits_do_not_depend_on_the_thread_count():
+    seqs = sequences([5000, 300])
+    pool, tables = paged(seqs, block=64, shuffle=5)
+    q, seq, lens = queries(3, seed=4), [0, 1, 0], [5000, 300, 4097]
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = run(q, pool, tables, seq, lens)
+        torch.set_num_threads(2)
+        two = run(q, pool, tables, seq, lens)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
+
+
+def test_prefill_in_one_call_in_chunks_or_by_positions_is_the_same():
+    seqs = sequences([1200])
+    pool, tables = paged(seqs, block=16, shuffle=6)
+    T = 1200
+    q = queries(T, seed=5)
+    lens = list(range(1, T + 1))
+    whole = run(q, pool, tables, [0] * T, lens)
+    chunks = torch.cat([run(q[s:s + 512], pool, tables, [0] * len(lens[s:s + 512]), lens[s:s + 512])
+                        for s in range(0, T, 512)])
+    assert torch.equal(chunks, whole)
+    for p in (0, 15, 16, 255, 256, 511, 1199):  # a decode step at position p
+        assert torch.equal(run(q[p:p + 1], pool, tables, [0], [p + 1])[0], whole[p])
+
+
+def test_scores_by_bfloat16_dot_products_equal_fused_multiply_adds():
+    """The AVX512-BF16 scores (vdpbf16ps) and those of CPUs without it (float32 fused multiply-adds in
+    the same order) agree bit for bit on values that are not subnormal."""
+    dot = torch.ops.kvstore.attention_dot_bf16
+    if not dot():
+        pytest.skip("this CPU has no AVX512-BF16: the scores take fused multiply-adds only")
+    seqs = sequences([1500, 40])
+    pool, tables = paged(seqs, block=32, shuffle=8)
+    q, seq, lens = queries(6, seed=7), [0, 0, 0, 1, 0, 0], [1500, 1, 700, 40, 1499, 1498]
+    bf16 = run(q, pool, tables, seq, lens)
+    try:
+        dot(False)
+        fma = run(q, pool, tables, seq, lens)
+    finally:
+        dot(True)
+    assert torch.equal(bf16, fma)
+
+
+def test_the_contiguous_cache_is_one_sequence_of_blocks_in_order():
+    """A KVCache layer `[capacity, 2, n_kv, hd]` viewed as blocks of 256 with the table 0, 1, 2, ...:
+    the bits of a row do not depend on the capacity."""
+    from kvstore.engine.cache import KVCache
+
+    rows = sequences([700])[0]
+    q = queries(1, seed=6)
+    out = []
+    for capacity in (768, 4096):
+        cache = KVCache(1, 3, 64, dtype=torch.bfloat16, capacity=capacity)
+        cache.load(0, [rows])
+        pool, table = cache.blocks(0)
+        assert pool.shape == (capacity // 256, 256, 2, 3, 64) and table.tolist() == [list(range(capacity // 256))]
+        out.append(run(q, pool, table, [0], [700]))
+    assert torch.equal(out[0], out[1])
+    assert torch.equal(out[0], run(q, *paged([rows], block=16, shuffle=7), [0], [700]))
+
+
+def test_bad_input_is_refused_with_a_clear_error():
+    seqs = sequences([100])
+    pool, tables = paged(seqs, block=32)  # 4 blocks
+    q = queries(1)
+    one, seq, length = torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32), torch.tensor([100], dtype=torch.int32)
+    cases = [
+        ((q.float(), pool, tables, seq, length), "q must be a BFloat16 CPU tensor"),
+        ((q, pool.float(), tables, seq, length), "the pool must be a BFloat16"),
+        ((q, pool, tables.long(), seq, length), "the block tables must be a Int"),
+        ((q[0], pool, tables, seq, length), "q must be a BFloat16 CPU tensor with 3 dimension"),
+        ((q[..., :32], pool, tables, seq, length), "for queries of 32 dimensions"),
+        ((queries(1, n_heads=8), pool, tables, seq, length), "8 query heads cannot share 3 KV heads"),
+        ((q, pool, tables, seq, torch.tensor([129], dtype=torch.int32)), "attends to 129 positions; its table holds 1..128"),
+        ((q, pool, tables, seq, torch.tensor([0], dtype=torch.int32)), "attends to 0 positions"),
+        ((q, pool, tables, one + 1, length), "names sequence 1 of 1"),
+        ((q, pool, tables, torch.zeros(2, dtype=torch.int32), length), "must hold 1 rows"),
+        ((q, pool[:2], tables, seq, length), "block 2 is 2, outside the pool's 2 blocks"),
+        ((q, pool.view(8, 16, 2, 3, 64)[:, :8], tables, seq, length), "the pool must be contiguous"),
+        ((q, torch.zeros(4, 24, 2, 3, 64, dtype=torch.bfloat16), tables, seq, length), "block_tokens must be a multiple of 16"),
+    ]
+    for args, message in cases:
+        with pytest.raises(RuntimeError, match=re.escape(message)):
+            attention_rows(*args)
+
+
+def test_native_attention_can_be_turned_off(monkeypatch):
+    monkeypatch.setattr(native, "_attention", None)
+    monkeypatch.setenv(native.ENV, "0")
+    assert native.attention() is None
+    assert native._attention[1] == "torch's kernels (KVSTORE_NATIVE=0)"
+
+
+def test_a_decode_step_reads_the_cache_through_the_kernel():
+    """`attend` of one query over a bfloat16 cache is the kernel over the cache's block view (close to
+    torch's `one_query`); a float32 cache takes `one_query`."""
+    from kvstore.engine.attention import ONE_TOKEN, attend, native_rows, one_query
+    from kvstore.engine.cache import KVCache
+
+    rows = sequences([301])[0]
+    q = queries(1, seed=9)
+    cache = KVCache(2, 3, 64, dtype=torch.bfloat16, capacity=512)
+    cache.load(0, [rows[:300], rows[:300]])
+    out = attend(q, rows[300:], cache, 1, 300, ONE_TOKEN)  # [1, 9 * 64]
+    assert torch.equal(out.view(1, 9, 64), run(q, *cache.blocks(1), [0], [301]))
+    k, v = cache.layers[1][:301, 0].transpose(0, 1), cache.layers[1][:301, 1].transpose(0, 1)
+    assert_close(out.view(9, 64).float(), one_query(q[0], k, v).float(), rtol=2e-2, atol=2e-2)
+    assert native_rows(q.float(), KVCache(1, 3, 64, dtype=torch.float32)) is None
+
+
+def test_a_models_prefill_and_decode_steps_take_the_kernel(tiny, monkeypatch):
+    import kvstore
+
+    model = kvstore.load_model(tiny("llama-gqa").folder, dtype="bfloat16")
+    ids = tiny("llama-gqa").ids(24)
+    calls = []
+    kernel = native.attention()
+    monkeypatch.setattr(native, "_attention", (lambda *a: calls.append(a[4].tolist()) or kernel(*a), "counted"))
+    cache = model.new_cache()
+    model.forward(ids[:20], 0, cache)
+    steps = torch.cat([model.forward(ids[p:p + 1], p, cache) for p in range(20, 24)])
+    n = model.config.n_layers
+    assert calls == [list(range(1, 21))] * n + [[length] for length in range(21, 25) for _ in range(n)]
+    monkeypatch.setattr(native, "_attention", (None, "torch (test)"))
+    cache = model.new_cache()
+    model.forward(ids[:20], 0, cache)
+    torch_steps = torch.cat([model.forward(ids[p:p + 1], p, cache) for p in range(20, 24)])
+    assert_close(steps, torch_steps, rtol=0.05, atol=0.15)  # as test_native allows the bfloat16 kernels vs torch's

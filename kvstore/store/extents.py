@@ -103,8 +103,9 @@ def read_layers_unlocked(store, ref: ExtentRef, itemsize: int, *, session: str) 
 
 
 # helpers reading the layers of a run: more than the 2 cores of the machines measured, because a
-# cold restore waits on the disk: 4 read a 8,191-token session (188 MB) from disk in 99 ms where 2
-# took 129 (p10 of 20, AMD EPYC Zen 5, load 10); warm they equal 2 within the noise
+# cold restore waits on the disk: 4 read a 8,191-token session (188 MB) from disk in 99-114 ms
+# where 2 took 122-129 (p10 of 20, two runs; AMD EPYC Zen 5, 2 cores, load 9-10); warm (from the
+# page cache) 2, 3 and 4 helpers were equal within the noise
 READ_THREADS = 4
 RUN_BLOB_BYTES = 256 << 20  # compressed bytes of the blobs one run holds in memory at most (about)
 

@@ -62,8 +62,7 @@ class Session:
     # -- opening ---------------------------------------------------------------------------------
     @classmethod
     def open(cls, store, name: str, model=None, *, device: str = "cpu") -> "Session":
-        with store.db() as db:
-            session_id = store.row(db, name).id
+        session_id = store.session_id(name)
         lock = SessionLock(store.session_dir(session_id), name).acquire()
         try:
             if model is None:

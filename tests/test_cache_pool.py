@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import kvstore
-from kvstore.engine.buffers import BufferPool
+from kvstore.engine.buffers import HUGE_PAGE, BufferPool, huge_pages
 from kvstore.engine.cache import KVCache, POOL
 
 
@@ -101,3 +101,34 @@ def test_memory_pooled_by_a_forward_is_ordinary_memory_for_its_next_user():
     assert POOL.held > 0 and not any(buf.is_inference() for buf in POOL._free)
     for buf in POOL._free:
         buf.fill_(7)  # outside inference mode: allowed on ordinary tensors only
+
+
+def test_large_buffers_start_on_a_huge_page_and_occupy_no_more_than_their_size():
+    """`buffers.huge_pages`: a buffer of 2 MiB or more starts on a 2 MiB boundary (its whole huge
+    pages are advised, where the system has THP), reads as zeros, is writable to its last byte and
+    stays mapped while any view of it lives; smaller ones are left to the ordinary allocator."""
+    assert huge_pages(HUGE_PAGE - 1) is None
+    nbytes = 2 * HUGE_PAGE + 12345
+    buf = huge_pages(nbytes)
+    if buf is None:
+        pytest.skip("no transparent huge pages on this system")
+    assert buf.nbytes == nbytes and buf.ctypes.data % HUGE_PAGE == 0
+    assert not buf.any()
+    tail = buf[-100:]
+    del buf
+    tail[:] = 7  # the mapping outlives the array it was cut from
+    assert int(tail.sum()) == 700
+
+
+def test_a_cache_on_huge_pages_holds_what_is_written_and_goes_back_to_the_pool():
+    layer_bytes = 4096 * 2 * 4 * 64 * 2  # 4,096 positions of [2, 4, 64] bfloat16: 4 MiB a layer
+    cache = KVCache(2, 4, 64, dtype=torch.bfloat16, capacity=4096)
+    assert all(t.untyped_storage().nbytes() >= layer_bytes for t in cache.layers)
+    if huge_pages(HUGE_PAGE) is not None:  # made of huge pages: each layer starts on one
+        assert all(t.data_ptr() % HUGE_PAGE == 0 for t in cache.layers)
+    rows = torch.randn(3000, 2, 4, 64).to(torch.bfloat16)
+    for layer in range(2):
+        cache.write(layer, 0, rows)
+    assert all(torch.equal(s, rows) for s in cache.state())
+    cache.release()
+    assert buffers(POOL) == [layer_bytes] * 2

@@ -21,7 +21,7 @@ from typing import Iterator
 import torch
 
 from ..errors import InvalidArgument
-from .buffers import BufferPool
+from .buffers import BufferPool, huge_pages
 
 GROW_STEP = 256  # capacity is a multiple of this many tokens
 BLOCK = GROW_STEP  # tokens per block of `blocks`' paged view
@@ -39,9 +39,12 @@ def with_room(n_tokens: int) -> int:
 
 def _new_buffer(nbytes: int) -> torch.Tensor:
     """A flat uint8 CPU buffer that is a normal tensor even when a forward (under inference mode)
-    grows a cache: pooled memory outlives that forward, and its next user may write it anywhere."""
+    grows a cache: pooled memory outlives that forward, and its next user may write it anywhere.
+    Large ones are made of huge pages where the system has them (`buffers.huge_pages`): filling
+    fresh memory (a new process's first restore) then costs little more than filling reused memory."""
     with torch.inference_mode(False):
-        return torch.empty(nbytes, dtype=torch.uint8)
+        huge = huge_pages(nbytes)
+        return torch.empty(nbytes, dtype=torch.uint8) if huge is None else torch.from_numpy(huge)
 
 
 POOL = BufferPool(limit=512 << 20, new=_new_buffer)  # flat uint8 CPU tensors

@@ -19,6 +19,7 @@ import xxhash
 from ..errors import CorruptData
 from ..fileio import io, reraise_full, write_durable
 from . import codec
+from .workers import parallel_map
 
 
 @dataclass
@@ -60,7 +61,7 @@ def pack(blobs_dir: Path, layers: list[np.ndarray], itemsize: int, row_bytes: in
     """Write the blob for one extent's per-layer raw bytes. A file already there under that name
     (left by a killed pack, perhaps in an older encoding) is kept only if it is byte-identical."""
     digest = digest or content_hash(layers)
-    frames = codec.parallel_map(lambda d: codec.pack_frame(d, itemsize, row_bytes), layers)
+    frames = parallel_map(lambda d: codec.pack_frame(d, itemsize, row_bytes), layers)
     table, offset = [], 0
     for f in frames:
         table.append([offset, len(f)])
@@ -118,7 +119,7 @@ def unpack(blobs_dir: Path, digest: str, frames: list[list[int]], file_checksum:
     """Per-layer raw bytes of a packed extent (checksums of the file and of each frame verified)."""
     body = read_body(blobs_dir, digest, file_checksum, what=what)
     name = blob_path(blobs_dir, digest).name
-    return codec.parallel_map(
+    return parallel_map(
         lambda i: codec.unpack_frame(layer_payload(body, frames, i), raw_size, itemsize, row_bytes,
                                      what=f"{what}, blob {name}, layer {i}"),
         list(range(len(frames))))

@@ -17,8 +17,6 @@
 from __future__ import annotations
 
 import struct
-from concurrent.futures import ThreadPoolExecutor
-from typing import Sequence
 
 import numpy as np
 import xxhash
@@ -166,10 +164,3 @@ def _inflate(frame, size: int, *, what: str, into: np.ndarray | None = None) -> 
 
 SCRATCH = BufferPool(limit=32 << 20, new=lambda n: np.empty(n, np.uint8))  # where byte planes inflate
 
-
-def parallel_map(fn, items: Sequence, threads: int = 4) -> list:
-    """Map over items with threads (zstd and xxhash release the GIL)."""
-    if len(items) <= 1:
-        return [fn(x) for x in items]
-    with ThreadPoolExecutor(max_workers=min(threads, len(items))) as pool:
-        return list(pool.map(fn, items))

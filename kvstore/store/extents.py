@@ -14,12 +14,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
-from sqlalchemy import select
+from sqlalchemy import Connection, select
 from sqlalchemy.orm import Session as DB
 
 from ..errors import CorruptData
 from . import blobs, codec, segments
 from .index import BlobRow, ExtentBlobRow, ExtentRow, SegmentRow, SessionExtentRow
+from .workers import parallel_map
 
 
 @dataclass
@@ -45,18 +46,22 @@ def kv_bytes(ref: ExtentRef) -> int:
     return ref.raw_size * len(ref.checksums)
 
 
-def session_extents(db: DB, session_id: str) -> list[ExtentRef]:
+def session_extents(db: DB | Connection, session_id: str) -> list[ExtentRef]:
+    """The session's extents in order (columns, not ORM objects: an ORM session or a connection)."""
+    se, ex, seg, blob = SessionExtentRow, ExtentRow, SegmentRow, BlobRow
     rows = db.execute(
-        select(SessionExtentRow, ExtentRow, SegmentRow, BlobRow)
-        .join(ExtentRow, SessionExtentRow.extent_id == ExtentRow.id)
-        .join(SegmentRow, ExtentRow.segment_id == SegmentRow.id)
-        .outerjoin(ExtentBlobRow, ExtentBlobRow.extent_id == ExtentRow.id)
-        .outerjoin(BlobRow, BlobRow.hash == ExtentBlobRow.blob_hash)
-        .where(SessionExtentRow.session_id == session_id)
-        .order_by(SessionExtentRow.start)
-    ).all()
-    return [ExtentRef(se.start, se.n_tokens, ex.id, seg.id, ex.offset, ex.n_tokens, list(ex.checksums),
-                      seg.token_bytes, blob) for se, ex, seg, blob in rows]
+        select(se.start, se.n_tokens, ex.id, ex.segment_id, ex.offset, ex.n_tokens, ex.checksums, seg.token_bytes,
+               blob.hash, blob.frames, blob.size, blob.file_checksum)
+        .join(ExtentRow, se.extent_id == ex.id)
+        .join(SegmentRow, ex.segment_id == seg.id)
+        .outerjoin(ExtentBlobRow, ExtentBlobRow.extent_id == ex.id)
+        .outerjoin(BlobRow, blob.hash == ExtentBlobRow.blob_hash)
+        .where(se.session_id == session_id)
+        .order_by(se.start))
+    return [ExtentRef(start, used, extent_id, segment_id, offset, n_tokens, list(checksums), token_bytes,
+                      None if digest is None else BlobRow(hash=digest, frames=frames, size=size, file_checksum=fcs))
+            for (start, used, extent_id, segment_id, offset, n_tokens, checksums, token_bytes,
+                 digest, frames, size, fcs) in rows]
 
 
 def extent_label(session: str, extent_id: int) -> str:
@@ -97,6 +102,11 @@ def read_layers_unlocked(store, ref: ExtentRef, itemsize: int, *, session: str) 
         return read_layers(replace(ref, blob=blob), store.home, itemsize, session=session)
 
 
+# helpers reading the layers of a run: more than the 2 cores of the machines measured, because a
+# cold restore waits on the disk: 4 read a 8,191-token session (188 MB) from disk in 99-114 ms
+# where 2 took 122-129 (p10 of 20, two runs; AMD EPYC Zen 5, 2 cores, load 9-10); warm (from the
+# page cache) 2, 3 and 4 helpers were equal within the noise
+READ_THREADS = 4
 RUN_BLOB_BYTES = 256 << 20  # compressed bytes of the blobs one run holds in memory at most (about)
 
 
@@ -104,8 +114,8 @@ def load_into(cache, refs: list[ExtentRef], home: Path, *, session: str) -> None
     """Append every referenced extent to `cache` (empty on entry), checksums verified.
 
     On a CPU cache, runs of whole extents, raw or packed, are read or inflated straight into the
-    cache's memory, one task per layer over the whole run (two threads: the copy and the first touch
-    of fresh pages share the cost); partial ones (a fork's last) and CUDA caches go through a buffer.
+    cache's memory, one task per layer over the whole run (READ_THREADS helpers take the layers as
+    they come free); partial ones (a fork's last) and CUDA caches go through a buffer.
     """
     itemsize = cache.dtype.itemsize
     run: list[ExtentRef] = []
@@ -145,7 +155,7 @@ def _read_direct(cache, run: list[ExtentRef], home: Path, session: str) -> None:
     packed = [ref for ref in run if ref.blob is not None]
     buffers = [POOL.borrow(ref.blob.size) for ref in packed]  # reused memory for the blob bodies
     try:
-        bodies = dict(zip([ref.extent_id for ref in packed], codec.parallel_map(
+        bodies = dict(zip([ref.extent_id for ref in packed], parallel_map(
             lambda i: blobs.read_body(home / "blobs", packed[i].blob.hash, packed[i].blob.file_checksum,
                                       what=f"session {session!r}, extent {packed[i].extent_id}",
                                       into=buffers[i].numpy()), list(range(len(packed))), threads=2)))
@@ -181,4 +191,4 @@ def _fill(dest: list[np.ndarray], itemsize: int, run: list[ExtentRef], home: Pat
         for segment, reads in raw.items():  # each verified as soon as it is read
             segments.read_extents_into(home / "sessions" / segment, layer, reads)
 
-    codec.parallel_map(one, list(range(len(dest))), threads=2)
+    parallel_map(one, list(range(len(dest))), threads=READ_THREADS)

@@ -4,7 +4,8 @@
   do, when the name is taken);
 - the one builder of a session's rows, `add_session` (new, fork, import: the session, its segment,
   its first checkpoint, its tokens), and `fork_rows` on top of it (KV extents shared, C5);
-- reading: `read_tokens` (CorruptData when the blocks do not tile), `read_messages`;
+- reading: `read_tokens` (CorruptData when the blocks do not tile), `read_messages` (columns, not
+  ORM objects: they serve an ORM session or a plain connection, e.g. the open path's);
 - contract C2 on a head: `last_state_problem`;
 - what a session records of its model: `register_model`, `kv_layout`, `token_bytes`.
 """
@@ -16,7 +17,7 @@ import uuid
 from typing import Any
 
 import numpy as np
-from sqlalchemy import select
+from sqlalchemy import Connection, select
 from sqlalchemy.orm import Session as DB
 
 from ..defaults import WEIGHT_FORMATS
@@ -127,15 +128,14 @@ def fork_rows(db: DB, parent: SessionRow, new_name: str, at: int | None, weights
     return child
 
 
-def read_tokens(db: DB, session_id: str) -> list[int]:
+def read_tokens(db: DB | Connection, session_id: str) -> list[int]:
     """The session's token ids; CorruptData when its blocks do not follow each other exactly."""
-    blocks = db.scalars(select(TokenBlockRow).where(TokenBlockRow.session_id == session_id)
-                        .order_by(TokenBlockRow.start)).all()
     out: list[int] = []
-    for b in blocks:
-        if b.start != len(out):
-            raise CorruptData(token_gap(b.start, len(out)))
-        out.extend(np.frombuffer(b.ids, dtype="<i4").tolist())
+    for start, ids in db.execute(select(TokenBlockRow.start, TokenBlockRow.ids)
+                                 .where(TokenBlockRow.session_id == session_id).order_by(TokenBlockRow.start)):
+        if start != len(out):
+            raise CorruptData(token_gap(start, len(out)))
+        out.extend(np.frombuffer(ids, dtype="<i4").tolist())
     return out
 
 
@@ -156,10 +156,11 @@ def message_dict(m: MessageRow) -> dict[str, Any]:
     return {k: getattr(m, k) for k in MESSAGE_FIELDS}
 
 
-def read_messages(db: DB, session_id: str) -> list[dict[str, Any]]:
+def read_messages(db: DB | Connection, session_id: str) -> list[dict[str, Any]]:
     """The session's chat messages in order, as dicts of MESSAGE_FIELDS."""
-    return [message_dict(m) for m in db.scalars(select(MessageRow).where(MessageRow.session_id == session_id)
-                                                .order_by(MessageRow.ordinal))]
+    columns = [getattr(MessageRow, k) for k in MESSAGE_FIELDS]
+    return [dict(zip(MESSAGE_FIELDS, m)) for m in db.execute(select(*columns).where(MessageRow.session_id == session_id)
+                                                             .order_by(MessageRow.ordinal))]
 
 
 def last_state_problem(n_tokens: int, n_cached: int, state: bytes | None, size: int | None) -> str | None:

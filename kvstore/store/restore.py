@@ -14,7 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import CorruptData, ModelMismatch
+from sqlalchemy import Connection, Row, select
+from sqlalchemy.orm import Session as DB
+
+from ..errors import CorruptData, ModelMismatch, SessionNotFound
 from . import segments
 from .extents import ExtentRef, load_into, session_extents
 from .index import ModelRow, SegmentRow, SessionRow
@@ -23,7 +26,7 @@ from .records import kv_layout, last_state_problem, read_messages, read_tokens
 
 @dataclass
 class Snapshot:
-    row: SessionRow
+    row: Row  # the session's row: its columns by name, as a SessionRow has them (and committed_end)
     tokens: list[int]
     refs: list[ExtentRef]
     messages: list[dict[str, Any]]
@@ -31,29 +34,35 @@ class Snapshot:
 
 
 def snapshot(store, session_id: str, model) -> Snapshot:
-    """The session's rows as one writer sees them, once `model` is known to be its own."""
-    with store.db() as db, db.begin():  # one snapshot, and the index's write lock while truncating
-        row = db.get(SessionRow, session_id)
+    """The session's rows as one writer sees them, once `model` is known to be its own.
+
+    Plain column queries on a connection, not ORM objects: an open is a few milliseconds, and the
+    ORM's bookkeeping was a good part of them."""
+    with store.engine.begin() as db:  # one snapshot, and the index's write lock while truncating
+        row = db.execute(select(*SessionRow.__table__.c, SegmentRow.committed_end)
+                         .join(SegmentRow, SegmentRow.id == SessionRow.id).where(SessionRow.id == session_id)).first()
+        if row is None:
+            raise SessionNotFound("the session was deleted while it was being opened")
         check_model(db, row, model)
-        seg = db.get(SegmentRow, session_id)
-        segments.truncate_uncommitted(store.session_dir(session_id), seg.committed_end)
+        committed_end = row.committed_end
+        segments.truncate_uncommitted(store.session_dir(session_id), committed_end)
         try:
             tokens = read_tokens(db, session_id)
         except CorruptData as e:
             raise CorruptData(f"session {row.name!r}: {e}") from None
-        snap = Snapshot(row, tokens, session_extents(db, session_id), read_messages(db, session_id),
-                        seg.committed_end)
+        snap = Snapshot(row, tokens, session_extents(db, session_id), read_messages(db, session_id), committed_end)
     if len(tokens) != row.n_tokens:
         raise CorruptData(f"session {row.name!r}: the index holds {len(tokens)} token ids, its head says "
                           f"{row.n_tokens}; run `kvstore verify {row.name}`")
     return snap
 
 
-def check_model(db, row: SessionRow, model) -> None:
+def check_model(db: DB | Connection, row: SessionRow | Row, model) -> None:
     """ModelMismatch naming what differs between the session's model and `model`."""
     problems = []
     if row.model_fingerprint != model.fingerprint:
-        stored = db.get(ModelRow, row.model_fingerprint)
+        stored = db.execute(select(ModelRow.config, ModelRow.source)
+                            .where(ModelRow.fingerprint == row.model_fingerprint)).first()
         mine = model.config.to_dict()
         changed = [f"{k}: {stored.config.get(k)!r} vs {mine.get(k)!r}" for k in sorted(mine)
                    if stored is not None and stored.config.get(k) != mine.get(k)]
@@ -78,7 +87,7 @@ _HELD = {"stored": "the file's quantized blocks, integer kernels", "dense": "deq
          "q8_0": "quantized to Q8_0 on load"}
 
 
-def stored_hidden(row: SessionRow, model):
+def stored_hidden(row: SessionRow | Row, model):
     """The final hidden state the head checkpoint holds (C2), as a fresh tensor on the model's device;
     None when the last token is pending. CorruptData if it is missing or not one hidden vector of the
     model's dtype."""

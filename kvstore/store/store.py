@@ -69,6 +69,16 @@ class Store:
             raise self.not_found(name)
         return row
 
+    def session_id(self, name: str) -> str:
+        """The id of session `name` (the first step of an open: one column, no ORM object);
+        SessionNotFound when there is none."""
+        check_name(name)
+        with self.engine.connect() as db:
+            found = db.scalar(select(SessionRow.id).where(SessionRow.name == name))
+        if found is None:
+            raise self.not_found(name)
+        return found
+
     def not_found(self, name: str) -> SessionNotFound:
         return SessionNotFound(f"no session named {name!r}; `kvstore list` shows the sessions in {self.home}")
 

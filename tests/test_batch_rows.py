@@ -56,3 +56,26 @@ def test_a_sequence_computes_alike_alone_and_in_company(tiny, case, company, oth
         assert torch.equal(together[j], alone[j]), f"item {j}"
         assert all(torch.equal(a, b) for a, b in zip(cache.state(), solo.state())), f"item {j}: K/V"
     assert torch.equal(model.head(together), torch.stack([model.head(h) for h in alone]))
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0], ids=lambda q: q.name)
+def test_a_row_invariant_model_computes_alike_however_tokens_are_fed(tiny, qtype):
+    """Block-quantized weights, bfloat16, native kernels: prefill in chunks of 1, 5, 16 or all at once
+    gives every K/V byte and the next logits alike (so any stored prefix is a cold run's)."""
+    m = tiny("llama-gqa")
+    model = kvstore.load_model(m.gguf(qtype)[0], dtype="bfloat16", weights="stored")
+    if not model.row_invariant:
+        pytest.skip("this process lacks a native kernel the row-invariant forward needs")
+    dense = kvstore.load_model(m.gguf(qtype)[0], dtype="bfloat16", weights="dense")
+    assert not dense.row_invariant
+    ids = m.ids(37)
+    runs = []
+    for chunk in (1, 5, 16, 37):
+        cache = model.new_cache()
+        hidden = None
+        for a in range(0, 37, chunk):
+            hidden = model.feed(ids[a:a + chunk], a, cache)
+        runs.append((cache.state(), model.head(hidden)))
+    for states, logits in runs[1:]:
+        assert torch.equal(logits, runs[0][1])
+        assert all(torch.equal(a, b) for a, b in zip(states, runs[0][0]))

@@ -85,6 +85,21 @@ class Model:
         return self.net.head(hidden)
 
     @property
+    def row_invariant(self) -> bool:
+        """Whether every kernel of this model's forward computes each token's row alone (a Llama on the
+        GGUF's blocks or Q8_0, bfloat16, on the CPU's native kernels: the integer products, the
+        row-wise norms, rotary and SwiGLU, the row attention). Then a token's K/V and logits bits
+        do not depend on how the tokens were fed: in chunks of any size, one at a time or beside
+        other sequences, so any stored prefix is a cold run's (C10)."""
+        from .attention import NATIVE_MAX_GROUP
+
+        c = self.config
+        return (c.arch == "llama" and self.weights != "dense" and self.dtype == torch.bfloat16
+                and self.device.type == "cpu" and c.head_dim % 16 == 0 and c.n_heads % c.n_kv_heads == 0
+                and c.n_heads // c.n_kv_heads <= NATIVE_MAX_GROUP and native.kernels() is not None
+                and native.quant() is not None and native.attention() is not None)
+
+    @property
     def hidden_bytes(self) -> int:
         """Bytes of one final hidden state (`feed`'s) in the model's dtype."""
         return self.config.hidden_size * self.dtype.itemsize

@@ -64,6 +64,29 @@ def attend(q: torch.Tensor, kv: torch.Tensor, cache: KVCache | None, layer: int,
     return o[0].transpose(0, 1).reshape(T, n_heads * hd)  # [1, n_heads, T, hd] -> [T, n_heads hd]
 
 
+def attend_items(q: torch.Tensor, kv: torch.Tensor, items, spans, layer: int, masks: list[Mask]) -> torch.Tensor:
+    """`attend` for the stacked rows of several sequences (`rows.Item`s, their `Span`s): q `[R, n_heads,
+    hd]`, kv `[R, 2, n_kv, hd]` -> `[R, n_heads * hd]`. Sequences whose caches share one paged pool
+    (a server's) go through the native kernel in one call, each row through its own sequence's
+    block table, which gives each row the bits of its sequence's own call; others, one by one."""
+    caches = [it.cache for it in items]
+    pool = getattr(caches[0], "pool", None)
+    kernel = native_rows(q, caches[0]) if len(items) > 1 and pool is not None else None
+    if kernel is None or any(getattr(c, "pool", None) is not pool for c in caches):
+        parts = [attend(q[s.start:s.end], kv[s.start:s.end], it.cache, layer, it.pos, m)
+                 for it, s, m in zip(items, spans, masks)]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+    for it, s in zip(items, spans):
+        it.cache.put(layer, it.pos, kv[s.start:s.end])
+    tables = [c.table for c in caches]
+    width = max(len(t) for t in tables)
+    table = torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.int32)  # [S, width]
+    row_seq = torch.repeat_interleave(torch.arange(len(items), dtype=torch.int32),
+                                      torch.tensor([s.rows for s in spans]))
+    row_len = torch.cat([positions_after(it.pos, s.rows) for it, s in zip(items, spans)])
+    return kernel(q, pool.layers[layer], table, row_seq, row_len).view(q.shape[0], -1)
+
+
 def one_sequence(T: int) -> torch.Tensor:
     """row_seq of T rows of the one sequence of a cache's block view: int32 zeros `[T]`."""
     return torch.zeros(T, dtype=torch.int32)

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from ...errors import UnsupportedModel
-from ..attention import attend, causal_mask
+from ..attention import attend_items, causal_mask
 from ..cache import KVCache
 from ..config import ModelConfig, gguf_vocab
 from ..ops import Weight, embed, linear, matvec, rms_norm, rotate_, rows_add_linear, rows_linear, swiglu
@@ -342,9 +342,7 @@ class Llama:
             qkv = rows_linear(rms_norm(x, L.attn_norm2, eps), L.wqkv, L.bqkv, spans)  # [R, (nh + 2 nkv) hd]: q | k | v
             rotate_(qkv[:, :k_end].view(R, nh + nkv, hd), cos, sin)
             q, kv = qkv[:, :q_end].view(R, nh, hd), qkv[:, q_end:].view(R, 2, nkv, hd)  # k | v: cache rows
-            parts = [attend(q[s.start:s.end], kv[s.start:s.end], it.cache, i, it.pos, m)
-                     for it, s, m in zip(items, spans, masks)]
-            o = parts[0] if len(parts) == 1 else torch.cat(parts)  # [R, nh hd]
+            o = attend_items(q, kv, items, spans, i, masks)  # [R, nh hd]
             x = rows_add_linear(x, o, L.wo, L.bo, spans)
             gate_up = rows_linear(rms_norm(x, L.mlp_norm2, eps), L.w_gate_up, L.b_gate_up, spans)  # [R, 2 ffn]
             x = rows_add_linear(x, swiglu(gate_up), L.w_down, L.b_down, spans)

@@ -125,3 +125,40 @@ def test_sequences_of_one_pool_fed_together_compute_as_each_alone(model, tiny, c
     for j, ((hidden, flat), (_, _, paged)) in enumerate(zip(alone, items)):
         assert torch.equal(together[j], hidden), j
         assert all(torch.equal(a, b) for a, b in zip(paged.state(), flat.state())), j
+
+
+def test_forks_restored_into_one_pool_share_their_documents_blocks(model, tiny, tmp_path):
+    """Two forks of a document, opened from the store into one pool: the second takes the document's
+    extents from the blocks the first read (no bytes read again, no blocks spent), with the bits of
+    each opened alone; a write into a shared block leaves the other fork's bytes alone."""
+    from kvstore.store.extents import load_into, session_extents
+
+    m = tiny("llama-gqa")
+    store = kvstore.open_store(tmp_path / "home")
+    with store.new("doc", model, seed=1, chunk_size=16) as s:
+        s.append_tokens(m.ids(64))
+    for name, seed in (("a", 2), ("b", 3)):
+        store.fork("doc", name)
+        with store.open(name, model) as s:
+            s.append_tokens(m.ids(9, seed=seed))
+    pool = pool_for(model)
+
+    def restored(name):
+        with store.db() as db:
+            refs = session_extents(db, store.row(db, name).id)
+        cache = PagedCache(pool)
+        load_into(cache, refs, store.home, session=name)
+        with store.open(name, model) as s:
+            assert all(torch.equal(x, y) for x, y in zip(cache.state(), s.seq.cache.state())), name
+        return cache
+
+    a = restored("a")
+    used = pool.used
+    b = restored("b")
+    assert b.table[:4] == a.table[:4]  # the document's 64 positions: 4 blocks, shared
+    assert pool.used == used + 1  # b's own 9 positions
+    kept = [x.clone() for x in a.state()]
+    b.trim(30)
+    model.forward(m.ids(1, seed=9), 30, b)  # into a shared block: b gets its own copy
+    assert b.table[1] != a.table[1] and all(torch.equal(x, y) for x, y in zip(a.state(), kept))
+    store.close()

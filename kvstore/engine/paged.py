@@ -9,8 +9,12 @@ layout, on the CPU), under a memory budget.
   `table[p // block_tokens]`, slot `p % block_tokens`), speaking KVCache's protocol (`write`,
   `reserve`, `filling`, `load`, `state`, `trim`, `release`, `length`), so a session, the store's
   restore and the model use it as they use a `KVCache`. `copy_prefix(n)` is a fork's cache: the
-  full blocks of the first n positions shared, the partial one copied. A write into a shared block
-  copies it first (a trimmed position fed again must not change another sequence's bytes).
+  full blocks of the first n positions shared, the partial one copied. Sequences restored from the
+  same stored extents (forks of one document) share those extents' blocks too: the pool remembers
+  which blocks hold which extent's rows as read from disk (`register_extents`), and a restore takes
+  them instead of reading them again (`adopt_extents`). A write into a shared block copies it first,
+  and a write into a block that held an extent's rows makes it forget them (a trimmed position fed
+  again must not change another sequence's bytes).
 
 Paging changes no bit: attention reads exactly the rows a contiguous cache holds, in the same
 layout (`gather`: `[L, 2, n_kv, hd]`, the strides of `KVCache.layers[i][:L]`), and the native
@@ -42,6 +46,10 @@ class BlockPool:
             self.layers = [torch.empty(shape, dtype=dtype, device=self.device) for _ in range(n_layers)]
         self.refs = [0] * n_blocks
         self.free_ids = list(range(n_blocks - 1, -1, -1))  # a stack: the lowest ids first
+        # blocks that hold a stored extent's rows as read from disk: (extent id, block of the extent)
+        # -> block, and back; a sequence restored from the same extents shares them (`adopt_extents`)
+        self.extent_blocks: dict[tuple[int, int], int] = {}
+        self.keys_of: dict[int, list[tuple[int, int]]] = {}
         self.on_full: Callable[[int], None] | None = None  # asked to free blocks when too few are left
 
     @classmethod
@@ -85,7 +93,13 @@ class BlockPool:
         for i in ids:
             self.refs[i] -= 1
             if self.refs[i] == 0:
+                self.forget(i)
                 self.free_ids.append(i)
+
+    def forget(self, block: int) -> None:
+        """The block's rows will change (or it is free): no extent is found in it any more."""
+        for key in self.keys_of.pop(block, ()):
+            del self.extent_blocks[key]
 
     def flat(self, layer: int) -> torch.Tensor:
         """Layer `layer` as rows `[n_blocks * block_tokens, 2, n_kv, hd]` (a view)."""
@@ -132,7 +146,9 @@ class PagedCache:
         bs = self.pool.block_tokens
         for b in range(start // bs, -(-end // bs)):
             old = self.table[b]
-            if self.pool.refs[old] > 1:
+            if self.pool.refs[old] == 1:
+                self.pool.forget(old)  # its own: written in place, it no longer holds an extent's rows
+            else:
                 (new,) = self.pool.alloc(1)
                 for layer in self.pool.layers:
                     layer[new].copy_(layer[old])
@@ -204,6 +220,38 @@ class PagedCache:
 
     def trim(self, n: int) -> None:
         self.length = min(self.length, max(n, 0))
+
+    def adopt_extents(self, refs) -> int:
+        """Restoring into an empty cache: take the leading stored extents whose rows other sequences
+        hold in the pool already (read from disk and unchanged since), sharing their blocks; returns
+        how many of `refs` (the store's `ExtentRef`s, in order) it took. Whole blocks only: an
+        extent counts when its start and the rows used are multiples of the block size."""
+        assert self.length == 0 and not self.table, "extents are adopted into an empty cache"
+        bs, taken, blocks = self.pool.block_tokens, 0, []
+        for ref in refs:
+            if ref.start != len(blocks) * bs or ref.n_tokens % bs:
+                break
+            held = [self.pool.extent_blocks.get((ref.extent_id, j)) for j in range(ref.n_tokens // bs)]
+            if None in held:
+                break
+            blocks += held
+            taken += 1
+        self.pool.share(blocks)
+        self.table, self.length, self._rows, self._table = blocks, len(blocks) * bs, None, None
+        return taken
+
+    def register_extents(self, refs) -> None:
+        """The rows of `refs` were read from disk into this cache: other sequences restored from the
+        same extents may share their whole blocks."""
+        bs = self.pool.block_tokens
+        for ref in refs:
+            if ref.start % bs or ref.start + ref.n_tokens > self.length:
+                continue
+            for j in range(ref.n_tokens // bs):
+                key, block = (ref.extent_id, j), self.table[ref.start // bs + j]
+                if key not in self.pool.extent_blocks:
+                    self.pool.extent_blocks[key] = block
+                    self.pool.keys_of.setdefault(block, []).append(key)
 
     def copy_prefix(self, n: int) -> "PagedCache":
         """A new cache holding this one's first n positions: whole blocks shared, the last one copied."""

@@ -115,10 +115,16 @@ def load_into(cache, refs: list[ExtentRef], home: Path, *, session: str) -> None
 
     On a CPU cache, runs of whole extents, raw or packed, are read or inflated straight into the
     cache's memory, one task per layer over the whole run (READ_THREADS helpers take the layers as
-    they come free); partial ones (a fork's last) and CUDA caches go through a buffer.
+    they come free); partial ones (a fork's last) and CUDA caches go through a buffer. A paged cache
+    (`engine.paged`) first takes the leading extents that other sequences of its pool hold in memory
+    as read (shared blocks: those bytes were verified when they were read), and remembers what it
+    read for the next ones.
     """
     itemsize = cache.dtype.itemsize
     run: list[ExtentRef] = []
+    every = refs
+    if hasattr(cache, "adopt_extents"):  # a paged cache shares what other sessions read of these extents
+        refs = refs[cache.adopt_extents(refs):]
     pos, held = cache.length, 0  # held: compressed bytes of the run's blobs, all in memory at once
     for ref in refs:
         if ref.start != pos:
@@ -141,6 +147,8 @@ def load_into(cache, refs: list[ExtentRef], home: Path, *, session: str) -> None
         cache.load(ref.start, [torch.from_numpy(d[:used]).view(cache.dtype).view(ref.n_tokens, *cache.token_shape)
                                for d in layers])
     _read_direct(cache, run, home, session)
+    if hasattr(cache, "register_extents"):
+        cache.register_extents(every)
 
 
 def _read_direct(cache, run: list[ExtentRef], home: Path, session: str) -> None:

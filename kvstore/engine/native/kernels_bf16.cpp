@@ -86,6 +86,28 @@ void check(const at::Tensor& t, const char* op, const char* what, int64_t dims =
 const uint16_t* bits(const at::Tensor& t) { return static_cast<const uint16_t*>(t.data_ptr()); }
 uint16_t* bits_out(at::Tensor& t) { return static_cast<uint16_t*>(t.data_ptr()); }
 
+// y[t, r] = W[r] . x[t] (+ add[t, r]) for R rows of x: each block of kRows weight rows meets every
+// x row while it is in the cache, and every element is dot_rows' product, whatever R is
+void products(const at::Tensor& w, const at::Tensor& x, int64_t R, const uint16_t* add, at::Tensor& y) {
+  const int64_t rows = w.size(0), n = w.size(1);
+  const uint16_t *W = bits(w), *X = bits(x);
+  auto* Y = static_cast<c10::BFloat16*>(y.data_ptr());
+  const int64_t blocks = (rows + kRows - 1) / kRows;
+  at::parallel_for(0, blocks, kGrain, [&](int64_t begin, int64_t end) {
+    float dots[kRows];
+    for (int64_t b = begin; b < end; b++) {
+      const int64_t r0 = b * kRows, count = std::min(kRows, rows - r0);
+      for (int64_t t = 0; t < R; t++) {
+        dot_rows(W + r0 * n, X + t * n, n, count, dots);
+        for (int64_t i = 0; i < count; i++) {
+          const float extra = add ? float(c10::BFloat16(add[t * rows + r0 + i], c10::BFloat16::from_bits())) : 0.0f;
+          Y[t * rows + r0 + i] = c10::BFloat16(extra + dots[i]);
+        }
+      }
+    }
+  });
+}
+
 at::Tensor gemv_bf16(const at::Tensor& w_any, const at::Tensor& x_any, const std::optional<at::Tensor>& add_any) {
   require_avx512_bf16("gemv_bf16");
   check(w_any, "gemv_bf16", "the matrix", 2);
@@ -100,22 +122,8 @@ at::Tensor gemv_bf16(const at::Tensor& w_any, const at::Tensor& x_any, const std
                 rows, " rows");
     add = add_any->contiguous();
   }
-  const uint16_t* base = add.defined() ? bits(add) : nullptr;
   at::Tensor y = at::empty({rows}, w.options());
-  const uint16_t *W = bits(w), *X = bits(x);
-  auto* Y = static_cast<c10::BFloat16*>(y.data_ptr());
-  const int64_t blocks = (rows + kRows - 1) / kRows;
-  at::parallel_for(0, blocks, kGrain, [&](int64_t begin, int64_t end) {
-    float dots[kRows];
-    for (int64_t b = begin; b < end; b++) {
-      const int64_t r0 = b * kRows, count = std::min(kRows, rows - r0);
-      dot_rows(W + r0 * n, X, n, count, dots);
-      for (int64_t i = 0; i < count; i++) {
-        const float extra = base ? float(c10::BFloat16(base[r0 + i], c10::BFloat16::from_bits())) : 0.0f;
-        Y[r0 + i] = c10::BFloat16(extra + dots[i]);
-      }
-    }
-  });
+  products(w, x, 1, add.defined() ? bits(add) : nullptr, y);
   return y;
 }
 
@@ -136,24 +144,8 @@ at::Tensor gemv_rows_bf16(const at::Tensor& w_any, const at::Tensor& x_any, cons
                 rows, "]");
     add = add_any->contiguous();
   }
-  const uint16_t* base = add.defined() ? bits(add) : nullptr;
   at::Tensor y = at::empty({R, rows}, w.options());
-  const uint16_t *W = bits(w), *X = bits(x);
-  auto* Y = static_cast<c10::BFloat16*>(y.data_ptr());
-  const int64_t blocks = (rows + kRows - 1) / kRows;
-  at::parallel_for(0, blocks, kGrain, [&](int64_t begin, int64_t end) {
-    float dots[kRows];
-    for (int64_t b = begin; b < end; b++) {
-      const int64_t r0 = b * kRows, count = std::min(kRows, rows - r0);
-      for (int64_t t = 0; t < R; t++) {
-        dot_rows(W + r0 * n, X + t * n, n, count, dots);
-        for (int64_t i = 0; i < count; i++) {
-          const float extra = base ? float(c10::BFloat16(base[t * rows + r0 + i], c10::BFloat16::from_bits())) : 0.0f;
-          Y[t * rows + r0 + i] = c10::BFloat16(extra + dots[i]);
-        }
-      }
-    }
-  });
+  products(w, x, R, add.defined() ? bits(add) : nullptr, y);
   return y;
 }
 

@@ -82,16 +82,21 @@ def pg_url(postgres) -> str:
 
 
 @contextmanager
-def single_thread():
-    """Torch on one CPU thread: float32 with two threads flips between a fast and a several times
-    slower mode on these machines, worse when cores are shared; one thread is steady. Only for work
-    compared inside one process (the thread count changes bf16 bits)."""
+def threads(n: int):
+    """Torch on n CPU threads inside the block."""
     before = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(n)
     try:
         yield
     finally:
         torch.set_num_threads(before)
+
+
+def single_thread():
+    """Torch on one CPU thread: float32 with two threads flips between a fast and a several times
+    slower mode on these machines, worse when cores are shared; one thread is steady. Only for work
+    compared inside one process (the thread count changes bf16 bits)."""
+    return threads(1)
 
 
 @pytest.fixture

@@ -29,6 +29,7 @@ import torch
 from torch.testing import assert_close
 
 import kvstore
+from conftest import threads
 from kvstore.engine import native
 from kvstore.engine import ops
 from kvstore.engine.native import build
@@ -65,14 +66,10 @@ def test_product_matches_float64_rounded(rows, n):
 def test_bits_do_not_depend_on_thread_count_or_other_rows():
     w, x = bf16(3072, 576, seed=4), bf16(576, seed=5)
     gemv = native.kernels().gemv
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
+    with threads(1):
         one = gemv(w, x)
-        torch.set_num_threads(2)
+    with threads(2):
         two = gemv(w, x)
-    finally:
-        torch.set_num_threads(before)
     assert torch.equal(one, two)
     assert torch.equal(gemv(w[7:1030], x), one[7:1030])  # rows in other blocks and other threads
 

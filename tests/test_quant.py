@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import kvstore
+from conftest import threads
 from engine_models import Q
 from kvstore.engine import native, ops, quant, quant_reference
 
@@ -103,14 +104,10 @@ def test_the_kernel_equals_the_reference_bit_for_bit_on_every_path(kind, dtype, 
 def test_a_rows_bits_do_not_depend_on_the_other_rows_or_the_thread_count(kind):
     w = quant.pack(random_blocks(kind, 3072, 576, seed=5))
     x = rows_of(16, 576, torch.bfloat16, seed=6)
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
+    with threads(1):
         one_thread = kernel(w, x)
-        torch.set_num_threads(2)
+    with threads(2):
         batch = kernel(w, x)
-    finally:
-        torch.set_num_threads(before)
     assert torch.equal(one_thread, batch)
     for t in (0, 5, 15):
         assert torch.equal(kernel(w, x[t:t + 1])[0], batch[t])

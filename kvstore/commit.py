@@ -12,7 +12,7 @@ that changed, the generation in progress and the sampler settings. Then, in one 
    end (C5), and fsynced with the folder when files were created (`segments.append`), while the
    transaction holds the index's write lock;
 3. the rows that point at it: the checkpoint, the extent and its place in the session, the new
-   token ids, the messages;
+   token ids, the messages, the prefix keys of the chunk boundaries that became reusable (C10);
 4. commit, after the fsyncs (C4): a crash at any instant leaves the old head or the new one.
 
 The statements are built once with bound parameters: this runs at every checkpoint of a decode,
@@ -29,7 +29,7 @@ from sqlalchemy import bindparam, delete, insert, update
 
 from .errors import SessionBusy
 from .store import segments
-from .store.index import (CheckpointRow, ExtentRow, MessageRow, SegmentRow, SessionExtentRow, SessionRow,
+from .store.index import (CheckpointRow, ExtentRow, MessageRow, PrefixKeyRow, SegmentRow, SessionExtentRow, SessionRow,
                           TokenBlockRow, store_full_on_disk_full, utcnow)
 from .store.records import encode_tokens
 
@@ -42,6 +42,7 @@ ADD_CHECKPOINT = insert(CheckpointRow.__table__)
 ADD_EXTENT = insert(ExtentRow.__table__).returning(ExtentRow.__table__.c.id)
 ADD_SESSION_EXTENT = insert(SessionExtentRow.__table__)
 ADD_TOKENS = insert(TokenBlockRow.__table__)
+ADD_PREFIX_KEYS = insert(PrefixKeyRow.__table__)
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,7 @@ class Head:
     n_tokens: int
     n_cached: int  # positions whose KV is on disk
     committed_end: int  # bytes of each of the session's own layer files in use
+    n_reusable: int = 0  # leading positions whose KV is a cold run's (C10: keyed at chunk boundaries)
     names_synced: bool = False  # this writer has fsynced its segment's directory entries
 
 
@@ -66,6 +68,8 @@ class Change:
     sampler: dict[str, Any]
     checkpoint_every: int
     messages: list[dict[str, Any]] = field(default_factory=list)  # the changed ones (MESSAGE_FIELDS)
+    n_reusable: int = 0  # leading positions whose KV is a cold run's (`Sequence.reusable`)
+    prefix_keys: list[tuple[int, str]] = field(default_factory=list)  # (boundary, key) new since the head
 
 
 def commit(store, session_id: str, name: str, head: Head, change: Change) -> Head:
@@ -77,7 +81,8 @@ def commit(store, session_id: str, name: str, head: Head, change: Change) -> Hea
         moved = run(HEAD_MOVES, {
             "p_id": session_id, "p_head": head.seq, "head": head.seq + 1, "n_tokens": n_tokens,
             "n_cached": change.n_cached, "active_call": change.active_call, "last_hidden": change.hidden,
-            "sampler": change.sampler, "checkpoint_every": change.checkpoint_every, "updated_at": utcnow()})
+            "sampler": change.sampler, "checkpoint_every": change.checkpoint_every, "n_reusable": change.n_reusable,
+            "updated_at": utcnow()})
         if moved.rowcount != 1:
             raise SessionBusy(f"session {name!r} was changed or deleted by someone else since it was "
                               "opened; nothing was committed. Open it again")
@@ -98,12 +103,14 @@ def commit(store, session_id: str, name: str, head: Head, change: Change) -> Hea
         if n_tokens > head.n_tokens:
             run(ADD_TOKENS, {"session_id": session_id, "start": head.n_tokens,
                              "ids": encode_tokens(change.tokens[head.n_tokens:])})
+        if change.prefix_keys:
+            run(ADD_PREFIX_KEYS, [{"session_id": session_id, "position": b, "key": k} for b, k in change.prefix_keys])
         for m in change.messages:
             db.execute(delete(MessageRow).where(MessageRow.session_id == session_id,
                                                 MessageRow.ordinal == m["ordinal"]))
             db.add(MessageRow(session_id=session_id, **m))
     return replace(head, seq=head.seq + 1, n_tokens=n_tokens, n_cached=change.n_cached, committed_end=end,
-                   names_synced=head.names_synced or change.kv is not None)
+                   n_reusable=change.n_reusable, names_synced=head.names_synced or change.kv is not None)
 
 
 def hidden_bytes(hidden: torch.Tensor) -> bytes:

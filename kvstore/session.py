@@ -2,7 +2,8 @@
 
 A session joins the engine and the store: it owns its model handle, its `Sequence` (token ids +
 KVCache) and its sampler settings, and holds the session's writer lock (C7). `checkpoint()` hands
-what changed since the last one to the checkpoint protocol (`commit.py`: C2, C4, C5). Prefill
+what changed since the last one to the checkpoint protocol (`commit.py`: C2, C4, C5), with the
+prefix keys of the chunk boundaries its cold-run KV reached since (C10, `store.prefix`). Prefill
 checkpoints after every chunk, generation every `checkpoint_every` tokens (once the last of them is
 fed, so a resume samples the next token from the stored state at once) and at the end of each call
 (its last token pending). A generation call in progress is recorded (`active_call`) before its
@@ -34,6 +35,7 @@ from .errors import InvalidArgument, KvstoreError
 from .store.index import SessionRow
 from .store.locking import SessionLock
 from .store.pack import pack_session
+from .store.prefix import Identity, new_keys
 from .store.progress import Progress
 from .store.records import fork_rows, read_messages
 from .store.restore import load_shared_cache, snapshot, stored_hidden
@@ -50,7 +52,8 @@ class Session:
         self._checkpoint_every = row.checkpoint_every
         self.active_call: dict[str, Any] | None = row.active_call
         self.messages = messages
-        self.head = Head(row.head, row.n_tokens, row.n_cached, committed_end)
+        self.head = Head(row.head, row.n_tokens, row.n_cached, committed_end, row.n_reusable)
+        self._prefix_root = Identity.of(model, row.chunk_size).root()  # its prefix keys' (C10)
         self._dirty_messages: set[int] = set()
         self._dirty = False  # settings or the call in progress changed since the last checkpoint
         self.on_checkpoint: Callable[[int, int, int], None] | None = None  # (head, n_tokens, n_cached)
@@ -70,7 +73,8 @@ class Session:
             snap = snapshot(store, session_id, model)
             hidden = stored_hidden(snap.row, model)
             cache = load_shared_cache(store, session_id, name, snap.refs, model, snap.row.n_cached)
-            seq = Sequence(model, cache, snap.tokens, chunk_size=snap.row.chunk_size, hidden=hidden)
+            seq = Sequence(model, cache, snap.tokens, chunk_size=snap.row.chunk_size, hidden=hidden,
+                           reusable=snap.row.n_reusable)
             return cls(store, snap.row, model, seq, lock, snap.committed_end, snap.messages)
         except BaseException:
             lock.release()
@@ -133,7 +137,8 @@ class Session:
         change = Change(reason, tokens, self.seq.cache.state(head.n_cached, n_cached) if n_cached > head.n_cached
                         else None, n_cached, hidden_bytes(self.seq.hidden) if n_cached == len(tokens) > 0 else None,
                         self.active_call, self.settings.to_dict(), self._checkpoint_every,
-                        [self.messages[i] for i in sorted(self._dirty_messages)])
+                        [self.messages[i] for i in sorted(self._dirty_messages)], self.seq.reusable,
+                        new_keys(self._prefix_root, tokens, self.chunk_size, head.n_reusable, self.seq.reusable))
         started = time.perf_counter()
         self.head = commit(self.store, self.id, self.name, head, change)
         self.last_checkpoint_seconds = time.perf_counter() - started
@@ -363,7 +368,7 @@ class Session:
         cache = self.seq.cache.copy_prefix(child.n_cached)  # a paged cache shares its whole blocks
         hidden = self.seq.hidden if child.n_cached == child.n_tokens else None  # a fork at the head
         seq = Sequence(self.model, cache, self.seq.tokens[:child.n_tokens], chunk_size=self.seq.chunk_size,
-                       hidden=hidden)
+                       hidden=hidden, reusable=child.n_reusable)
         return Session(self.store, child, self.model, seq, lock, 0, messages)
 
     def pack(self, *, progress: Progress | None = None) -> dict[str, int]:

@@ -54,6 +54,10 @@ def is_loopback(host: str) -> bool:
               help="KV memory of the sessions held open, in blocks of 16 tokens, shared out among the engines; when "
                    "it is full the least recently used idle session is evicted (it is on disk already) and restored "
                    "on its next request.")
+@click.option("--prefix-cache", default="1GiB", show_default=True, metavar="SIZE",
+              help="Disk budget of the prefix cache: a request that names no session starts from the longest "
+                   "stored prefix of its prompt (whole chunks, byte-identical to a cold run) and its session is kept "
+                   "as an entry, the least recently used deleted beyond SIZE (named sessions never); 0 turns it off.")
 @click.option("--step-tokens", default=512, show_default=True, type=click.IntRange(1, 1 << 20),
               help="Tokens one engine step computes at most: every generating session's next token, then whole "
                    "prompt chunks of reading sessions while they fit.")
@@ -77,7 +81,7 @@ def is_loopback(host: str) -> bool:
               help="One line per request: key=value text, or a JSON object.")
 @click.pass_obj
 def serve(app, host, port, model, served_model_name, dtype, weights, workers, threads, api_key_file, allow_unauthenticated,
-          max_queue, max_running, kv_memory, step_tokens, max_open, max_tokens, max_body, max_import, chunk_size, checkpoint_every, grace,
+          max_queue, max_running, kv_memory, prefix_cache, step_tokens, max_open, max_tokens, max_body, max_import, chunk_size, checkpoint_every, grace,
           keep_alive, log_format):
     """Serve the store over HTTP: an OpenAI-compatible API.
 
@@ -98,6 +102,10 @@ def serve(app, host, port, model, served_model_name, dtype, weights, workers, th
         memory = parse_size(kv_memory)
     except ValueError as e:
         raise click.UsageError(f"--kv-memory: {e}") from None
+    try:
+        prefix_budget = parse_size(prefix_cache, zero=True)
+    except ValueError as e:
+        raise click.UsageError(f"--prefix-cache: {e} (or 0: off)") from None
 
     try:
         keys = read_keys(api_key_file, os.environ.get("KVSTORE_API_KEYS"))
@@ -111,7 +119,7 @@ def serve(app, host, port, model, served_model_name, dtype, weights, workers, th
     config = ServeConfig(home=getattr(app, "home", None), index=getattr(app, "index", None), model=model,
                          model_id=served_model_name, dtype=dtype, weights=weights, host=host, port=port,
                          workers=workers, threads=threads, api_keys=keys, allow_open=allow_unauthenticated,
-                         max_queue=max_queue, max_running=max_running, max_open=max_open, kv_memory=memory,
+                         max_queue=max_queue, max_running=max_running, max_open=max_open, kv_memory=memory, prefix_cache=prefix_budget,
                          step_tokens=step_tokens, max_tokens=max_tokens, max_body=max_body, max_import=max_import,
                          chunk_size=chunk_size, checkpoint_every=checkpoint_every, grace=grace,
                          keep_alive=keep_alive, log_format=log_format)

@@ -10,8 +10,11 @@ UNITS = {"": 1, "B": 1, "K": 10**3, "KB": 10**3, "KIB": 2**10, "M": 10**6, "MB":
          "G": 10**9, "GB": 10**9, "GIB": 2**30, "T": 10**12, "TB": 10**12, "TIB": 2**40}
 
 
-def parse_size(text: str) -> int:
-    """"2GiB", "512MiB", "1.5G", "100000" -> bytes; ValueError saying what is accepted."""
+def parse_size(text: str, *, zero: bool = False) -> int:
+    """"2GiB", "512MiB", "1.5G", "100000" -> bytes ("0" too with `zero`); ValueError saying what is
+    accepted."""
+    if zero and text.strip() == "0":
+        return 0
     t = text.strip().upper().replace(" ", "")
     number = t.rstrip("BIKMGT")
     unit = t[len(number):]
@@ -42,6 +45,7 @@ class ServeConfig:
     max_running: int = 8  # requests running at once on one engine (their decode steps interleave)
     max_open: int = 100000  # sessions an engine keeps open between requests (besides the KV memory's bound)
     kv_memory: int = 2 * 2**30  # bytes of paged KV memory, shared out among the engines
+    prefix_cache: int = 2**30  # KV bytes of the prefix-cache entries (stateless requests' sessions); 0: off
     step_tokens: int = 512  # tokens one engine step's forward computes at most (decode rows + prompt chunks)
     max_body: int = 8 * 2**20  # bytes of a request body; beyond: 413 (imports: max_import)
     max_import: int = 4 * 2**30

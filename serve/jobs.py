@@ -13,7 +13,10 @@ different sessions interleave token by token. Kinds:
 - any job with `after` (a resumed stream): the reply that was interrupted after that position is
   replayed from the store and, if it was cut short, finished (`Session.resume`): only what comes
   after `after` is sent.
-- `fork`, `delete`, `import`: the writes on stored sessions that need the writer's lock.
+- a `chat` or `complete` job with `prefix` (a request that names no session) starts its session
+  from the longest stored prefix of its prompt (`prefix_cache.py`: contract C10);
+- `fork`, `delete`, `import`: the writes on stored sessions that need the writer's lock; `retain`:
+  a request's own session kept as a prefix-cache entry, the entries evicted beyond the budget.
 
 Events: `start` (how the context was obtained), `token` (replies.token_events), `end` (usage,
 finish reason) or `error` (an OpenAI-shaped error, `failures.py`).
@@ -27,6 +30,7 @@ from typing import Any, Iterator
 
 import kvstore
 
+from . import prefix_cache
 from .failures import from_library
 from .replies import ReplyText, Tokens, stored_pieces, token_events
 from .streams import END
@@ -66,14 +70,19 @@ def chat(engine, job: dict[str, Any]) -> Iterator[dict[str, Any]]:
         yield from resume(engine, job)
         return
     messages = job["messages"]
-    session, how, restore = engine.writer(job["session"], create=job.get("create"))
-    check_seed(session, job.get("seed"))
-    p = plan(session, messages)
-    cached = session.n_cached
-    if p.kind == "cold" and session.tokens:
-        session, cached = engine.branch(session, p.fork_at), p.fork_at
-        how = "reused" if p.fork_at else "computed"
-    yield {"event": "start", "context": how, **restore}
+    if job.get("prefix") is not None:  # a request of its own: from the longest stored prefix (C10)
+        prompt = engine.model.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        session, how, restore, cached = prefix_cache.open_session(engine, job, prompt)
+        p, lookup = Plan("cold", []), {"prefix_queried": len(prompt), "prefix_hit": cached}
+    else:
+        session, how, restore = engine.writer(job["session"], create=job.get("create"))
+        check_seed(session, job.get("seed"))
+        p, lookup = plan(session, messages), {}
+        cached = session.n_cached
+        if p.kind == "cold" and session.tokens:
+            session, cached = engine.branch(session, p.fork_at), p.fork_at
+            how = "reused" if p.fork_at else "computed"
+    yield {"event": "start", "context": how, **restore, **lookup}
     sampling = job.get("sampling") or {}
     tokens = Tokens()
     args = dict(max_new_tokens=job["max_tokens"], trace=tokens, stop=tuple(job.get("stop") or ()), **sampling)
@@ -104,11 +113,17 @@ def complete(engine, job: dict[str, Any]) -> Iterator[dict[str, Any]]:
     if job.get("after") is not None:
         yield from resume(engine, job)
         return
-    session, how, restore = engine.writer(job["session"], create=job.get("create"))
-    check_seed(session, job.get("seed"))
-    yield {"event": "start", "context": how if session.tokens else "computed", **restore}
-    cached = session.n_cached
-    session.append_text(job["prompt"])
+    if job.get("prefix") is not None:  # a request of its own: from the longest stored prefix (C10)
+        prompt = engine.model.tokenizer.encode(job["prompt"], add_bos=None)  # as append_text on a new session
+        session, how, restore, cached = prefix_cache.open_session(engine, job, prompt)
+        yield {"event": "start", "context": how, **restore, "prefix_queried": len(prompt), "prefix_hit": cached}
+        session.append_tokens(prompt[len(session.tokens):])
+    else:
+        session, how, restore = engine.writer(job["session"], create=job.get("create"))
+        check_seed(session, job.get("seed"))
+        yield {"event": "start", "context": how if session.tokens else "computed", **restore}
+        cached = session.n_cached
+        session.append_text(job["prompt"])
     tokens = Tokens()
     ids = session.generate(job["max_tokens"], trace=tokens, stop=tuple(job.get("stop") or ()), **(job.get("sampling") or {}))
     yield from reply(engine, session, session.text(ids), tokens, job, cached)
@@ -170,7 +185,7 @@ def resume(engine, job: dict[str, Any]) -> Iterator[dict[str, Any]]:
 
 
 def manage(engine, job: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    """create / fork / delete / import: the writes that need the model or the session's writer lock
+    """create / fork / delete / import / retain: the writes that need the model or the session's writer lock
     (held here while the session is open)."""
     op, name = job["kind"], job["session"]
     if op == "create":
@@ -184,10 +199,14 @@ def manage(engine, job: dict[str, Any]) -> Iterator[dict[str, Any]]:
         engine.store.delete(name)
     elif op == "import":
         name = engine.store.import_(job["path"], job.get("new_name"), engine.model)
+    elif op == "retain":
+        yield {"event": "end", "session": name, **prefix_cache.retain(engine, job)}
+        return
     yield {"event": "end", "session": name}
 
 
-KINDS = {"chat": chat, "complete": complete, **{k: manage for k in ("create", "fork", "delete", "import")}}
+KINDS = {"chat": chat, "complete": complete,
+         **{k: manage for k in ("create", "fork", "delete", "import", "retain")}}
 
 
 def run(engine, job: dict[str, Any]) -> Iterator[dict[str, Any]]:

@@ -62,6 +62,26 @@ class Metrics:
                                      "Tokens computed in one forward of an engine step, by kind: decode (one per "
                                      "generating session) or prefill (prompt chunks)", ["kind"], buckets=ROWS, registry=r)
 
+        self.prefix_queries = Counter("kvstore:prefix_cache_queries",
+                                      "Prompt tokens of requests that looked up the prefix cache (no session named)",
+                                      registry=r)
+        self.prefix_hits = Counter("kvstore:prefix_cache_hits",
+                                   "Prompt tokens whose KV came from the prefix cache (a stored prefix, forked)",
+                                   registry=r)
+        self.prefix_entries = Gauge("kvstore:prefix_cache_entries", "Sessions kept as prefix-cache entries",
+                                    registry=r)
+        self.prefix_bytes = Gauge("kvstore:prefix_cache_bytes",
+                                  "KV bytes the prefix-cache entries wrote (their budget: --prefix-cache)", registry=r)
+        self.prefix_evictions = Counter("kvstore:prefix_cache_evictions",
+                                        "Prefix-cache entries deleted, least recently used first, to fit the budget",
+                                        registry=r)
+
+    def prefix_held(self, end) -> None:
+        """A `retain` job's end: the prefix cache's entries and bytes, the entries it evicted."""
+        self.prefix_entries.set(end["prefix_entries"])
+        self.prefix_bytes.set(end["prefix_bytes"])
+        self.prefix_evictions.inc(end["prefix_evicted"])
+
     def engine_steps(self, msg) -> None:
         """An engine's `stats` message: its forwards since the last one, its KV memory, its evictions."""
         if "kv_blocks" in msg:

@@ -127,6 +127,9 @@ class Service:
 
     def _started(self, run: Run, event: dict[str, Any]) -> None:
         run.context = event["context"]
+        if "prefix_queried" in event:
+            self.metrics.prefix_queries.inc(event["prefix_queried"])
+            self.metrics.prefix_hits.inc(event["prefix_hit"])
         if "restore_seconds" in event:
             self.metrics.restore_seconds.observe(event["restore_seconds"])
             self.metrics.restore_bytes.inc(event["restore_bytes"])
@@ -161,12 +164,18 @@ class Service:
             observer.write(record, self.config.log_format)
 
     async def drop_session(self, tenant_session: str) -> None:
-        """Delete a session this server made for one request (the stateless ones), once delivered."""
+        """Once its reply is delivered, keep a session this server made for one request (the stateless
+        ones) as a prefix-cache entry, or delete it when the cache is off (`--prefix-cache 0`)."""
         engine = self.pool.engine_for(tenant_session)
+        budget = self.config.prefix_cache
+        spec = {"kind": "retain", "budget": budget} if budget else {"kind": "delete"}
         try:
-            await outcome(await self.pool.submit({"kind": "delete", "session": tenant_session}, engine))
+            end = await outcome(await self.pool.submit({**spec, "session": tenant_session}, engine))
         except Exception as e:  # noqa: BLE001 -- a leftover session is listed, not lost
-            log.warning("could not delete the one-request session %s: %s", tenant_session, e)
+            log.warning("could not %s the one-request session %s: %s", spec["kind"], tenant_session, e)
+            return
+        if budget:
+            self.metrics.prefix_held(end)
 
     async def manage(self, spec: dict[str, Any], tenant: Tenant | None = None) -> dict[str, Any]:
         """A create, fork, delete or import on the session's engine; its end event (ApiError on error,

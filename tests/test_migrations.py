@@ -50,7 +50,7 @@ def test_a_store_at_the_first_revision_opens_after_the_upgrade(tmp_path, tiny):
     engine.dispose()
     upgraded = kvstore.open_store(tmp_path)  # migrates 0001 -> head
     with upgraded.engine.connect() as conn:
-        assert MigrationContext.configure(conn).get_current_revision() == "0006"
+        assert MigrationContext.configure(conn).get_current_revision() == "0007"
     assert upgraded.info("old").n_cached == len(tokens) - 1  # 0004's downgrade left the last token pending
     assert upgraded.info("old").weights == "dense"  # 0006: every session from before had dense weights
     with upgraded.open("old", model) as s:
@@ -110,6 +110,37 @@ def test_0006_records_how_a_session_held_its_weights_and_older_ones_held_them_de
     assert (store.info("q8").weights, store.info("dense").weights) == ("dense", "dense")
     with store.engine.connect() as conn:
         assert compare_metadata(MigrationContext.configure(conn), index.Base.metadata) == []
+
+
+def test_0007_adds_the_prefix_index_and_sessions_from_before_are_no_prefix_source(tmp_path, tiny):
+    """Sessions written before 0007 get no keys and n_reusable 0 (how their KV was computed is not
+    known: see the migration); those written after are indexed at each checkpoint. Down and up again
+    gives exactly the models."""
+    model = kvstore.load_model(tiny("llama-gqa").folder)
+    ids = tiny("llama-gqa").ids(40)
+    store = kvstore.open_store(tmp_path)
+    with store.new("before", model, chunk_size=8) as s:
+        s.append_tokens(ids[:20])
+    store.close()
+    url = f"sqlite:///{tmp_path / 'kvstore.db'}"
+    downgrade(url, "0006")
+    engine = index.make_engine(url)
+    with engine.connect() as conn:
+        tables = {r[0] for r in conn.execute(text("SELECT name FROM sqlite_master WHERE type = 'table'"))}
+        assert not {"prefix_keys", "prefix_entries"} & tables
+        assert "n_reusable" not in {r[1] for r in conn.execute(text("PRAGMA table_info(sessions)"))}
+    engine.dispose()
+    store = kvstore.open_store(tmp_path)  # back to head
+    with store.engine.connect() as conn:
+        assert compare_metadata(MigrationContext.configure(conn), index.Base.metadata) == []
+    assert store.find_prefix(model, ids[:20], 8) is None  # not backfilled
+    with store.new("after", model, chunk_size=8) as s:
+        s.append_tokens(ids[:20])
+    hit = store.find_prefix(model, ids[:20], 8)
+    assert (hit.name, hit.length) == ("after", 16)
+    with store.open("before", model) as s:  # continued: still no source (its first 20 are not known alike)
+        s.append_tokens(ids[20:40])
+    assert store.find_prefix(model, ids[:40], 8).name == "after"
 
 
 def test_a_store_from_a_newer_kvstore_is_refused(tmp_path):

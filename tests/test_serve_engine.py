@@ -29,6 +29,17 @@ class FakePipe:
         self.sent.append(msg)
 
 
+def run_loop(store, model, jobs: list[dict]) -> list[dict]:
+    """Run `jobs` in an engine loop on `store` until they are done; every message it sent."""
+    engine = Engine(store, model)
+    pipe = FakePipe([*jobs, {"op": "stop"}])
+    try:
+        Loop(pipe, engine).run()
+    finally:
+        engine.close()
+    return pipe.sent
+
+
 def chat_job(job_id: str, session: str, text: str, max_tokens: int) -> dict:
     return {"op": "run", "id": job_id, "kind": "chat", "session": session,
             "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens, "stop": [],
@@ -59,14 +70,11 @@ def test_interleaving_changes_no_bit(tmp_path, model):
 
     def run(jobs):
         store = kvstore.open_store(tmp_path / f"home-{len(jobs)}-{jobs[0]['id']}")
-        engine = Engine(store, model)
-        pipe = FakePipe([*jobs, {"op": "stop"}])
         try:
-            Loop(pipe, engine).run()
+            sent = run_loop(store, model, jobs)
         finally:
-            engine.close()
             store.close()
-        return {j["id"]: [(m["position"], m["token"], m["logits_sha256"]) for m in pipe.sent
+        return {j["id"]: [(m["position"], m["token"], m["logits_sha256"]) for m in sent
                           if m.get("id") == j["id"] and m["event"] == "token"] for j in jobs}
 
     a = chat_job("a", "one", " ".join(f"w{i}" for i in range(16)), 6)

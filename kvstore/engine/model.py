@@ -100,6 +100,17 @@ class Model:
                 and native.quant() is not None and native.attention() is not None)
 
     @property
+    def kernels(self) -> str:
+        """Which kernels compute this model's forward, in a word ("cpu:bf16+quant+attention",
+        "cpu:torch", "cuda"): KV computed by other kernels has other bits, so the prefix cache's keys
+        name them (C10)."""
+        if self.device.type != "cpu":
+            return self.device.type
+        native_ops = [name for name, ops in (("bf16", native.kernels), ("quant", native.quant),
+                                             ("attention", native.attention)) if ops() is not None]
+        return "cpu:" + ("+".join(native_ops) or "torch")
+
+    @property
     def hidden_bytes(self) -> int:
         """Bytes of one final hidden state (`feed`'s) in the model's dtype."""
         return self.config.hidden_size * self.dtype.itemsize

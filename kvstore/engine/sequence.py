@@ -9,6 +9,13 @@ all but the last token, which is then pending (after a generation call ends: its
 never fed). Tokens are fed in chunks whose boundaries are multiples of `chunk_size` in absolute
 positions, so a prefill interrupted anywhere and resumed goes through exactly the same kernel
 calls as one that never stopped.
+
+`reusable` counts the leading positions whose K/V a cold run computes alike: a prefill of the
+tokens from position 0 in those chunks (contract C10, the prefix cache's keys). A whole chunk fed
+after reusable positions adds to it; so does any call when the model computes every row alone
+(`Model.row_invariant`: then how the tokens were fed changes no bit). A partial chunk (a prompt's
+last one), a decode step on other kernels, or a chunk fed after positions that are not reusable
+leave it where it was.
 """
 
 from __future__ import annotations
@@ -45,7 +52,7 @@ def chunk_bounds(start: int, end: int, chunk_size: int) -> list[tuple[int, int]]
 
 class Sequence:
     def __init__(self, model, cache: KVCache | None = None, tokens: Seq[int] = (), *, chunk_size: int = DEFAULT_CHUNK,
-                 hidden: torch.Tensor | None = None):
+                 hidden: torch.Tensor | None = None, reusable: int = 0):
         if chunk_size < 1:
             raise ModelError("chunk size must be at least 1 token")
         self.model = model
@@ -55,6 +62,8 @@ class Sequence:
         self.stop_reason: str | None = None
         # [hidden] the last token's final state when the cache holds every token (see the module's docstring)
         self.hidden = hidden
+        self.reusable = min(reusable, self.cache.length)  # see the module's docstring
+        self._rows_alone = bool(getattr(model, "row_invariant", False))
         assert self.cache.length <= len(self.tokens)
         assert hidden is None or self.cache.length == len(self.tokens), "a final state belongs to the last token"
 
@@ -63,6 +72,7 @@ class Sequence:
         tokens stay readable; generating again starts from an empty cache (all tokens pending)."""
         self.cache.release()
         self.hidden = None
+        self.reusable = 0
 
     @property
     def pending(self) -> list[int]:
@@ -89,6 +99,8 @@ class Sequence:
         last chunk leaves `hidden` (the last token's final state)."""
         for a, b in chunk_bounds(self.cache.length, len(self.tokens), self.chunk_size):
             hidden = self.model.feed(self.tokens[a:b], a, self.cache)
+            if a == self.reusable and (self._rows_alone or (a % self.chunk_size == 0 and b - a == self.chunk_size)):
+                self.reusable = b
             if b == len(self.tokens):
                 self.hidden = hidden
             yield b
@@ -104,6 +116,7 @@ class Sequence:
             raise ModelError("nothing to feed: a sequence needs at least one token before it can generate")
         if self.hidden is None and not self.pending:  # a cache built elsewhere without the last state:
             self.cache.trim(len(self.tokens) - 1)  # feed the last token again
+            self.reusable = min(self.reusable, self.cache.length)
         self.feed()
         return self.model.head(self.hidden).to("cpu")
 

@@ -89,6 +89,8 @@ class SessionRow(Base):
     head: Mapped[int] = mapped_column(Integer, default=0)  # seq of the head checkpoint (compare-and-set)
     n_tokens: Mapped[int] = mapped_column(Integer, default=0)
     n_cached: Mapped[int] = mapped_column(Integer, default=0)
+    # positions [0, n_reusable) hold the KV a cold chunked prefill of the tokens computes (C10; 0007)
+    n_reusable: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     active_call: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
     # the last token's final hidden state (raw bytes of the KV dtype) when n_cached == n_tokens (C2)
     last_hidden: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True)
@@ -144,6 +146,25 @@ class TokenBlockRow(Base):
     session_id: Mapped[str] = mapped_column(ForeignKey("sessions.id", ondelete="CASCADE"), primary_key=True)
     start: Mapped[int] = mapped_column(Integer, primary_key=True)
     ids: Mapped[bytes] = mapped_column(LargeBinary)  # int32 little-endian
+
+
+class PrefixKeyRow(Base):
+    """The prefix cache's index (C10): `key` names tokens [0, position) of a session, on its model,
+    weights, dtype, kernels and chunk size (`prefix.chain`); `position` is a chunk boundary within
+    the session's n_reusable. Equal keys: equal tokens whose stored KV is a cold run's."""
+    __tablename__ = "prefix_keys"
+    session_id: Mapped[str] = mapped_column(ForeignKey("sessions.id", ondelete="CASCADE"), primary_key=True)
+    position: Mapped[int] = mapped_column(Integer, primary_key=True)
+    key: Mapped[str] = mapped_column(String(32), index=True)
+
+
+class PrefixEntryRow(Base):
+    """A session kept only as a prefix-cache entry (a stateless request's, after its reply): evicted,
+    least recently used first, when the entries' bytes exceed the budget. Named sessions have none."""
+    __tablename__ = "prefix_entries"
+    session_id: Mapped[str] = mapped_column(ForeignKey("sessions.id", ondelete="CASCADE"), primary_key=True)
+    bytes: Mapped[int] = mapped_column(BigInteger)  # KV bytes the session wrote itself (its own segment)
+    last_used: Mapped[dt.datetime] = mapped_column(DateTime, default=utcnow, index=True)
 
 
 class MessageRow(Base):

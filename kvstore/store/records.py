@@ -3,7 +3,8 @@
 - names: `check_name` (labels only, never paths: C8) and `claim_name` (SessionExists, with what to
   do, when the name is taken);
 - the one builder of a session's rows, `add_session` (new, fork, import: the session, its segment,
-  its first checkpoint, its tokens), and `fork_rows` on top of it (KV extents shared, C5);
+  its first checkpoint, its tokens), and `fork_rows` on top of it (KV extents and prefix keys
+  shared by `share`, C5, C10);
 - reading: `read_tokens` (CorruptData when the blocks do not tile), `read_messages` (columns, not
   ORM objects: they serve an ORM session or a plain connection, e.g. the open path's);
 - contract C2 on a head: `last_state_problem`;
@@ -22,8 +23,8 @@ from sqlalchemy.orm import Session as DB
 
 from ..defaults import WEIGHT_FORMATS
 from ..errors import CorruptData, InvalidArgument, InvalidName, SessionExists
-from .index import (CheckpointRow, MessageRow, ModelRow, SegmentRow, SessionExtentRow, SessionRow, TokenBlockRow,
-                    utcnow)
+from .index import (CheckpointRow, MessageRow, ModelRow, PrefixKeyRow, SegmentRow, SessionExtentRow, SessionRow,
+                    TokenBlockRow, utcnow)
 
 NAME = re.compile(r"[^\W_][\w.:@+-]{0,127}")
 MESSAGE_FIELDS = ("ordinal", "role", "text", "token_start", "token_end")
@@ -97,7 +98,8 @@ def add_session(db: DB, *, name: str, model_fingerprint: str, dtype: str, weight
 
 
 def fork_rows(db: DB, parent: SessionRow, new_name: str, at: int | None, weights: str | None = None) -> SessionRow:
-    """Insert the child's rows (inside the caller's transaction); KV extents shared, tokens copied.
+    """Insert the child's rows (inside the caller's transaction); KV extents and prefix keys shared,
+    tokens copied.
     At the parent's head the child holds what the parent does; earlier, its last token is pending.
     `weights`: the child continues under another way of holding the model's weights (its own choice:
     its KV up to the fork was computed under the parent's)."""
@@ -117,15 +119,26 @@ def fork_rows(db: DB, parent: SessionRow, new_name: str, at: int | None, weights
                         token_bytes=seg.token_bytes, reason="fork", tokens=read_tokens(db, parent.id)[:n],
                         n_cached=n_cached, last_hidden=parent.last_hidden if at_head else None,
                         parent_id=parent.id, fork_position=n)
-    for ref in db.scalars(select(SessionExtentRow).where(SessionExtentRow.session_id == parent.id)
-                          .where(SessionExtentRow.start < n_cached).order_by(SessionExtentRow.start)):
-        db.add(SessionExtentRow(session_id=child.id, start=ref.start, extent_id=ref.extent_id,
-                                n_tokens=min(ref.n_tokens, n_cached - ref.start)))
+    share(db, parent, child, n_cached, keys=child.weights == parent.weights)
     for m in db.scalars(select(MessageRow).where(MessageRow.session_id == parent.id)
                         .where(MessageRow.token_end <= n).order_by(MessageRow.ordinal)):
         db.add(MessageRow(session_id=child.id, **message_dict(m)))
     db.flush()
     return child
+
+
+def share(db: DB, parent: SessionRow, child: SessionRow, n_cached: int, *, keys: bool = True) -> None:
+    """The child's first `n_cached` positions: the parent's extents (by reference) and, with `keys`
+    (the child computes as its parent does), the parent's prefix keys within them (C10)."""
+    for ref in db.scalars(select(SessionExtentRow).where(SessionExtentRow.session_id == parent.id)
+                          .where(SessionExtentRow.start < n_cached).order_by(SessionExtentRow.start)):
+        db.add(SessionExtentRow(session_id=child.id, start=ref.start, extent_id=ref.extent_id,
+                                n_tokens=min(ref.n_tokens, n_cached - ref.start)))
+    child.n_reusable = min(parent.n_reusable, n_cached) if keys else 0
+    for position, key in db.execute(select(PrefixKeyRow.position, PrefixKeyRow.key)
+                                    .where(PrefixKeyRow.session_id == parent.id)
+                                    .where(PrefixKeyRow.position <= child.n_reusable)):
+        db.add(PrefixKeyRow(session_id=child.id, position=position, key=key))
 
 
 def read_tokens(db: DB | Connection, session_id: str) -> list[int]:

@@ -28,10 +28,12 @@ from .export import export_session
 from .gc import collect
 from .identity import bind_home
 from .import_archive import import_session
-from .index import MessageRow, ModelRow, SessionRow, make_engine, shown_url, upgrade
+from . import prefix
+from .index import MessageRow, ModelRow, PrefixEntryRow, SessionRow, make_engine, shown_url, upgrade
 from .listing import PAGE_SIZE, SessionInfo, SessionPage, check_page, count, read_infos, read_page
 from .locking import SessionLock
 from .pack import pack_session
+from .prefix import PrefixHit
 from .paths import home_dir, index_url
 from .progress import Progress
 from .records import (add_session, check_name, claim_name, fork_rows, kv_layout, read_messages,
@@ -248,6 +250,49 @@ class Store:
         finally:
             lock.release()
         self.gc()
+
+    # -- the prefix cache (C10: `prefix`) -------------------------------------------------------------
+    def find_prefix(self, model, tokens: list[int], chunk_size: int | None = None, *,
+                    scope: str = "") -> PrefixHit | None:
+        """The longest stored prefix of `tokens` up to a chunk boundary (one token at least left to
+        feed) whose KV is what a cold run of `model` in chunks of `chunk_size` computes, among the
+        sessions whose name starts with `scope`; None when no session holds one."""
+        identity = prefix.Identity.of(model, DEFAULT_CHUNK if chunk_size is None else chunk_size)
+        with self.db() as db:
+            return prefix.find(db, identity, list(tokens), scope)
+
+    def fork_prefix(self, hit: PrefixHit, new_name: str, tokens: list[int], *, seed: int = 0,
+                    checkpoint_every: int = DEFAULT_CHECKPOINT_EVERY, **sampling) -> bool:
+        """Create `new_name` from a hit by reference (no byte copied): `tokens[:hit.length + 1]`, the
+        KV of the first hit.length shared with its source, the next token pending; the seed and
+        sampling settings are the new session's own. False when the source is gone since."""
+        settings = SamplerSettings.from_dict(sampling).to_dict()
+        with self.db() as db, db.begin():
+            return prefix.fork(db, hit, new_name, list(tokens), seed=seed, sampler=settings,
+                               checkpoint_every=checkpoint_every) is not None
+
+    def retain_prefix(self, name: str) -> None:
+        """Keep session `name` only as a prefix-cache entry: `evict_prefix` may delete it."""
+        with self.db() as db, db.begin():
+            prefix.retain(db, self.row(db, name).id)
+
+    def drop_prefix_source(self, hit: PrefixHit) -> None:
+        """A hit's source failed to load: an entry is deleted, a named session only stops being a source."""
+        with self.db() as db, db.begin():
+            entry = db.get(PrefixEntryRow, hit.session_id) is not None
+            prefix.forget_keys(db, hit.session_id)
+        if entry:
+            self.delete(hit.name)
+
+    def prefix_held(self) -> tuple[int, int]:
+        """(prefix-cache entries, their KV bytes)."""
+        with self.db() as db:
+            return prefix.held(db)
+
+    def evict_prefix(self, budget: int) -> list[str]:
+        """Delete the least recently used prefix-cache entries until their bytes fit `budget`; the names
+        deleted (never a named session)."""
+        return prefix.evict(self, budget)
 
     def gc(self) -> dict[str, int]:
         """Delete the files and rows no session refers to any more; counts of what went."""

@@ -3,8 +3,10 @@
 (`chat.ChatReply`, `completions.CompletionReply`) give their API's shapes.
 
 A request that names a session (`X-Session-Id`, or `session` in the body) runs on it; one that
-names none runs in a session of its own (`chatcmpl-...`, `cmpl-...`), deleted once the reply is
-delivered (kept when the stream broke, so that `Last-Event-ID` can finish it).
+names none runs in a session of its own (`chatcmpl-...`, `cmpl-...`), made from the longest
+stored prefix of its prompt and kept as a prefix-cache entry once the reply is delivered (with
+`--prefix-cache 0`: made new, and deleted), and kept as it is when the stream broke, so that
+`Last-Event-ID` can finish it.
 """
 
 from __future__ import annotations
@@ -51,6 +53,8 @@ async def answer(request: Request, body, who: Tenant, x_session_id: str | None, 
         "sampling": body.sampler(), "create": svc.new_session_settings(body.seed, body.sampler()), "seed": body.seed}
     if resume:
         spec.update(after=resume.after, reply_start=resume.start)
+    elif own and svc.config.prefix_cache:  # from the longest stored prefix of its prompt (C10)
+        spec["prefix"] = {"scope": who.prefix}
     run = Run(spec, who, public, id=request_id, route=route)
     events = svc.run(run)
     first = await first_events(events)

@@ -76,11 +76,11 @@ FULL = {"contexts": [512, 2048], "sessions": [1, 2, 4, 8, 16], "new_tokens": 128
         "chat_conversations": 4, "chat_turns": 4, "chat_doc_tokens": 1500, "chat_max_tokens": 32,
         "prefix_cache": "1GiB", "forks": 600, "fork_doc_tokens": 2048, "fork_new_tokens": 16, "fork_clients": 8,
         "fork_kv_memory": "2GiB", "kv_memory": "2GiB", "bandwidth_mib": 1024}
-QUICK = {"contexts": [128, 256], "sessions": [1, 2, 4], "new_tokens": 24, "reps": 1,
-         "itl_sessions": 2, "itl_context": 128, "itl_new_tokens": 16, "reader_tokens": 1024,
-         "chat_conversations": 2, "chat_turns": 3, "chat_doc_tokens": 600, "chat_max_tokens": 8,
-         "prefix_cache": "64MiB", "forks": 12, "fork_doc_tokens": 256, "fork_new_tokens": 4, "fork_clients": 2,
-         "fork_kv_memory": "24MiB", "kv_memory": "256MiB", "bandwidth_mib": 256}
+QUICK = {"contexts": [128, 256], "sessions": [1, 2, 4], "new_tokens": 16, "reps": 1,
+         "itl_sessions": 2, "itl_context": 128, "itl_new_tokens": 12, "reader_tokens": 600,
+         "chat_conversations": 2, "chat_turns": 3, "chat_doc_tokens": 400, "chat_max_tokens": 6,
+         "prefix_cache": "64MiB", "forks": 8, "fork_doc_tokens": 256, "fork_new_tokens": 4, "fork_clients": 2,
+         "fork_kv_memory": "24MiB", "kv_memory": "128MiB", "bandwidth_mib": 256}
 TARGETS = {"scaling": {"context": 512, "sessions": 8, "times": 4.0}, "of_limit": 0.70, "vs_llama": 1.0,
            "itl_p99_ratio": 2.0, "failed": 0}
 LLAMA_PARALLEL = 8  # llama-server --parallel, at least (the issue's configuration)
@@ -269,6 +269,16 @@ def serve_help() -> str:
     except (OSError, subprocess.TimeoutExpired):
         return ""
     return done.stdout if done.returncode == 0 else ""
+
+
+@contextlib.contextmanager
+def phase(name: str, seconds: dict):
+    """Log the phase's name, then record how long it took in `seconds`."""
+    log(f"  {name}:")
+    start = time.perf_counter()
+    yield
+    seconds[name] = time.perf_counter() - start
+    log(f"  ... {seconds[name]:.0f} s")
 
 
 @contextlib.contextmanager
@@ -529,36 +539,36 @@ def run(cfg: dict, threads: int, model: str, workdir: Path, peer: bool = True, l
     fork_doc = source.take(cfg["fork_doc_tokens"])
     out |= {"model_file": gguf.name, "facts": facts, "bandwidth": bw}
 
-    log("  decode (kvstore) and interleaving:")
-    with running(kvstore_server(model, threads, workdir / "decode", "kvstore", "--kv-memory", cfg["kv_memory"]),
-                 workdir / "decode") as server:
+    timed = out["phase_s"] = {}
+    decode = kvstore_server(model, threads, workdir / "decode", "kvstore", "--kv-memory", cfg["kv_memory"])
+    with phase("decode (kvstore) and interleaving", timed), running(decode, workdir / "decode") as server:
         points = kvstore_decode(server, cfg, texts, facts, bw["bytes_per_s"])
         if cfg["itl_context"] not in cfg["contexts"]:
             together([lambda i=i: complete(server, texts[cfg["itl_context"]][i], 1, f"b{cfg['itl_context']}-{i}")
                       for i in range(cfg["itl_sessions"])])
         out["interleave"] = interleave(server, cfg, texts, reader_text)
     if binary is not None:
-        log("  decode (llama.cpp):")
-        points += llama_decode(binary, gguf, threads, cfg, texts, facts, bw["bytes_per_s"], workdir / "llama")
+        with phase("decode (llama.cpp)", timed):
+            points += llama_decode(binary, gguf, threads, cfg, texts, facts, bw["bytes_per_s"], workdir / "llama")
     out["points"], out["decode"] = points, decode_summary(points, cfg)
 
-    log("  stateless chat:")
     modes = [("prefix cache", ("--prefix-cache", cfg["prefix_cache"])), ("no prefix cache", ("--prefix-cache", "0"))]
     records = []
-    for mode, options in modes if prefix else [("no prefix cache", ())]:
-        folder = workdir / ("chat-" + mode.replace(" ", "-"))
-        spec = dataclasses.replace(kvstore_server(model, threads, folder, f"kvstore, {mode}", *options), sessions=False)
-        with running(spec, folder) as server:
-            before = scrape(server)
-            records += chat_run(server, cfg, chat_docs, mode)
-            after = scrape(server)
-            out.setdefault("chat_metrics", {})[mode] = (grown(after, before, "kvstore:prefix_cache")
-                                                        | grown(after, before, "kvstore:prompt_tokens_total"))
+    with phase("stateless chat", timed):
+        for mode, options in modes if prefix else [("no prefix cache", ())]:
+            folder = workdir / ("chat-" + mode.replace(" ", "-"))
+            spec = kvstore_server(model, threads, folder, f"kvstore, {mode}", "--kv-memory", cfg["kv_memory"], *options)
+            spec = dataclasses.replace(spec, sessions=False)  # no X-Session-Id: every request is stateless
+            with running(spec, folder) as server:
+                before = scrape(server)
+                records += chat_run(server, cfg, chat_docs, mode)
+                after = scrape(server)
+                out.setdefault("chat_metrics", {})[mode] = (grown(after, before, "kvstore:prefix_cache")
+                                                            | grown(after, before, "kvstore:prompt_tokens_total"))
     out["chat_turns"], out["chat"] = records, chat_summary(records)
 
-    log("  forks behind a KV budget:")
-    with running(kvstore_server(model, threads, workdir / "forks", "kvstore", "--kv-memory", cfg["fork_kv_memory"]),
-                 workdir / "forks") as server:
+    forks = kvstore_server(model, threads, workdir / "forks", "kvstore", "--kv-memory", cfg["fork_kv_memory"])
+    with phase("forks behind a KV budget", timed), running(forks, workdir / "forks") as server:
         out["forks"] = forks_run(server, cfg, fork_doc)
         out["forks"] |= {"kv_memory": cfg["fork_kv_memory"],
                          "resident_bytes": cfg["forks"] * (out["forks"]["doc_tokens"] + cfg["fork_new_tokens"] + 8)

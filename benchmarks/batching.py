@@ -225,13 +225,13 @@ _SAMPLE = re.compile(r"^([A-Za-z_:][\w:]*)(\{[^}]*\})?\s+(\S+)$")
 
 
 def scrape(server: Server) -> dict[str, float]:
-    """GET /metrics as {"name{labels}": value}."""
+    """GET /metrics as {"name{labels}": value} (without the counters' creation times)."""
     import httpx
 
     out = {}
     for line in httpx.get(server.base_url + "/metrics", timeout=60).text.splitlines():
         m = _SAMPLE.match(line.strip())
-        if m and not line.startswith("#"):
+        if m and not line.startswith("#") and not m[1].endswith("_created"):  # _created: a timestamp
             with contextlib.suppress(ValueError):
                 out[m[1] + (m[2] or "")] = float(m[3])
     return out
@@ -303,7 +303,7 @@ def llama_server_spec(binary: Path, gguf: Path, threads: int, parallel: int, slo
     """`llama-server` with `parallel` slots of `slot_tokens` positions each, continuous batching (its default)."""
     def argv(port: int) -> list[str]:
         return [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-t", str(threads),
-                "-tb", str(threads), "-c", str(parallel * slot_tokens), "--parallel", str(parallel), "-cb"]
+                "-tb", str(threads), "-c", str(parallel * slot_tokens), "--parallel", str(parallel)]
 
     return Spec(f"llama.cpp --parallel {parallel}", argv, "/health", sessions=False,
                 notes={"parallel": parallel, "ctx": parallel * slot_tokens})
@@ -549,7 +549,11 @@ def run(cfg: dict, threads: int, model: str, workdir: Path, peer: bool = True, l
         out["interleave"] = interleave(server, cfg, texts, reader_text)
     if binary is not None:
         with phase("decode (llama.cpp)", timed):
-            points += llama_decode(binary, gguf, threads, cfg, texts, facts, bw["bytes_per_s"], workdir / "llama")
+            try:
+                points += llama_decode(binary, gguf, threads, cfg, texts, facts, bw["bytes_per_s"], workdir / "llama")
+            except RuntimeError as e:  # a server that did not start: the rest of the benchmark still runs
+                out["not_measured"]["llama.cpp"] = f"llama-server failed: {e}"[:600]
+                log(f"  llama.cpp not measured: {e}")
     out["points"], out["decode"] = points, decode_summary(points, cfg)
 
     modes = [("prefix cache", ("--prefix-cache", cfg["prefix_cache"])), ("no prefix cache", ("--prefix-cache", "0"))]

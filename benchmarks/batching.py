@@ -634,7 +634,7 @@ def markdown(r: dict) -> str:
     lines = ["## Many sessions at once", ""]
     cfg = r.get("config", {})
     lines.append(f"`kvstore serve` with continuous batching and paged KV memory (`python -m benchmarks.batching`), "
-                 f"{r.get('threads')} threads, model {r.get('model_file', r.get('model'))}, weights as stored.")
+                 f"threads: {r.get('threads')}, model {r.get('model_file', r.get('model'))}, weights as stored.")
     if r.get("bandwidth"):
         f = r["facts"]
         lines.append(f"Streaming read measured in this run: {r['bandwidth']['bytes_per_s'] / 1e9:.2f} GB/s; weights "
@@ -693,7 +693,7 @@ def markdown(r: dict) -> str:
         lines += [f"{fk['forks']:,} forks of a {fk['doc_tokens']:,}-token document session, one turn each "
                   f"({cfg.get('fork_new_tokens')} tokens) in random order from {cfg.get('fork_clients')} clients, "
                   f"behind --kv-memory {fk['kv_memory']} (resident and unshared they would take "
-                  f"{fk['resident_bytes'] / 1e9:.1f} GB): {restore}; {fk['tok_s']:.1f} tok/s, "
+                  f"{fk['resident_bytes'] / 1e6:,.0f} MB): {restore}; {fk['tok_s']:.1f} tok/s, "
                   f"{fk['requests_per_s']:.1f} requests/s in aggregate; TTFT p50 {ms(fk['ttft_s']['p50'])}, p99 "
                   f"{ms(fk['ttft_s']['p99'])}; {fk['evictions']:.0f} evictions; **{fk['failed']} failed requests**.", ""]
     return "\n".join(lines).rstrip() + "\n"

@@ -119,7 +119,8 @@ def test_the_section_renders_every_workload_and_says_what_was_not_measured():
     assert "| quiet | 20.0 ms | 40.0 ms | 100 |" in text and "| during the read | 20.0 ms | 70.0 ms | 100 |" in text
     assert "| no prefix cache | 1,500 / 1,560 | 1,500 / 1,560 | 3,060 of 3,060 |" in text
     assert "| prefix cache | not available in this build |" in text
-    assert "600 forks of a 2,048-token document session" in text and "**0 failed requests**" in text
+    assert "600 forks of a 2,048-token document session" in text and "28,600 MB" in text
+    assert "**0 failed requests**" in text
     assert "llama-cpp-python 0.3.36 sources" in text
     alone = batching.markdown(fake(llama=False))
     assert "Not measured: llama.cpp: left out (--no-peer)" in alone and "| 512 | 1 | 40.0 | 50 | 80 % | 1.0 | – | – |" in alone

@@ -190,14 +190,17 @@ def server_env() -> dict:
     return env | {"PYTHONUNBUFFERED": "1", "PYTHONPATH": path}
 
 
-def kvstore_spec(model: str, threads: int, home: Path, max_open: int | None = None) -> Spec:
-    """`kvstore serve` on a home of its own (max_open: its --max-open, None: its default)."""
+def kvstore_spec(model: str, threads: int, home: Path, max_open: int | None = None, extra: tuple[str, ...] = (),
+                 label: str = "kvstore") -> Spec:
+    """`kvstore serve` on a home of its own (max_open: its --max-open, None: its default; extra: more
+    options of `kvstore serve`)."""
     def argv(port: int) -> list[str]:
         cmd = [sys.executable, "-m", "kvstore_cli", "--home", str(home), "serve", "--host", "127.0.0.1",
                "--port", str(port), "--model", model, "--threads", str(threads)]
-        return cmd + (["--max-open", str(max_open)] if max_open is not None else [])
+        return cmd + (["--max-open", str(max_open)] if max_open is not None else []) + list(extra)
 
-    return Spec("kvstore", argv, "/health", sessions=True, notes={"max_open": max_open})
+    notes = {"max_open": max_open} | ({"options": list(extra)} if extra else {})
+    return Spec(label, argv, "/health", sessions=True, notes=notes)
 
 
 def llama_spec(gguf: Path, threads: int, n_ctx: int, mode: str, cache_size: int | None) -> Spec:

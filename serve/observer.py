@@ -62,7 +62,7 @@ def refused(n: Note, status: int) -> dict[str, Any]:
     """The record of a request that ran nothing."""
     return {"request_id": n.id, "route": f"{n.method} {n.path}", "session": n.session, "tenant": n.tenant,
             "context": None, "tokens_restored": 0, "tokens_computed": 0, "tokens_generated": 0, "ttft_s": None,
-            "duration_s": round(time.perf_counter() - n.arrived, 4), "status": status,
+            "restore_s": None, "duration_s": round(time.perf_counter() - n.arrived, 4), "status": status,
             "outcome": n.outcome or ("ok" if status < 400 else str(status))}
 
 

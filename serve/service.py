@@ -37,6 +37,7 @@ class Run:
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     arrived: float = field(default_factory=time.perf_counter)
     context: str = "computed"
+    restore_s: float | None = None  # the seconds reopening the session from the store took, when it was
     first_token: float | None = None
     end: dict[str, Any] | None = None
     status: int = 200
@@ -131,6 +132,7 @@ class Service:
             self.metrics.prefix_queries.inc(event["prefix_queried"])
             self.metrics.prefix_hits.inc(event["prefix_hit"])
         if "restore_seconds" in event:
+            run.restore_s = event["restore_seconds"]
             self.metrics.restore_seconds.observe(event["restore_seconds"])
             self.metrics.restore_bytes.inc(event["restore_bytes"])
 
@@ -155,6 +157,7 @@ class Service:
             "tokens_computed": max(0, end.get("prompt_tokens", 0) - end.get("cached_tokens", 0)),
             "tokens_generated": end.get("completion_tokens", 0),
             "ttft_s": round(run.first_token - run.arrived, 4) if run.first_token else None,
+            "restore_s": round(run.restore_s, 5) if run.restore_s is not None else None,
             "duration_s": round(time.perf_counter() - run.arrived, 4), "status": run.status, "outcome": run.outcome,
         }
         note = observer.note()

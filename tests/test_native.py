@@ -2,9 +2,10 @@
 
 The kernels: W @ x (+ add), RMSNorm, SwiGLU and rotary each close to a float64 reference rounded to
 bfloat16, for any shape (tails included); their bits independent of the thread count and of the
-other rows; a model's prefill and decode with them close to torch's kernels and bit-identical run
-to run. Those tests skip, saying why, where this process runs torch's kernels (no AVX512-BF16, no
-compiler).
+other rows; the products' and RMSNorm's bits those of the contract's sums (a float32 torch
+reference in the same order) on every path, AVX512-BF16 or AVX2; a model's prefill and decode with
+them close to torch's kernels and bit-identical run to run. Those tests skip, saying why, where this
+process runs torch's kernels (no AVX2, no compiler).
 
 The build: once per source and flags, in the cache folder; a failing compiler, a missing one, a
 killed build's temp file and a damaged library each handled (a plain C++ source stands in for the
@@ -60,6 +61,55 @@ def test_product_matches_float64_rounded(rows, n):
     # float32 accumulation: off by a few float32 ulps of the row's magnitude before the one rounding
     assert_close(gemv(w, x).float(), reference(w, x).float(), rtol=2 ** -7, atol=1e-3)
     assert_close(gemv(w, x, add).float(), reference(w, x, add).float(), rtol=2 ** -7, atol=1e-3)
+
+
+def lanes_summed(acc):
+    """`[..., 16]` float32 lanes summed in the kernels' fixed tree (_mm512_reduce_add_ps's)."""
+    eight = acc[..., 8:] + acc[..., :8]
+    four = eight[..., 4:] + eight[..., :4]
+    return (four[..., 0] + four[..., 2]) + (four[..., 1] + four[..., 3])
+
+
+def contract_dot(w, x):
+    """The dot products of kernels_bf16.cpp's contract, in float32 torch ops, bit for bit: 16 lanes,
+    lane j of step k adding the product of pair 16k + j's odd elements, then of its even ones (a product
+    of two bfloat16 values is exact in float32, so each fused multiply-add is one rounded add), the tail
+    zero-padded, the lanes summed in the fixed tree."""
+    rows, n = w.shape
+    pad = -n % 32
+    wf = torch.nn.functional.pad(w.float(), (0, pad)).view(rows, -1, 16, 2)
+    xf = torch.nn.functional.pad(x.float(), (0, pad)).view(-1, 16, 2)
+    acc = torch.zeros(rows, 16)
+    for k in range(xf.shape[0]):
+        acc = acc + wf[:, k, :, 1] * xf[k, :, 1]
+        acc = acc + wf[:, k, :, 0] * xf[k, :, 0]
+    return lanes_summed(acc)
+
+
+@needs_native
+@pytest.mark.parametrize("rows,n", [(5, 31), (64, 576), (7, 1000)])
+def test_product_bits_are_the_contracts_on_every_path(rows, n):
+    """AVX512-BF16 and AVX2 compute the same sums in the same order (values here are never
+    subnormal, where vdpbf16ps would flush)."""
+    w, x, add = bf16(rows, n, seed=21), bf16(n, seed=22), bf16(rows, seed=23)
+    k = native.kernels()
+    assert torch.equal(k.gemv(w, x), contract_dot(w, x).to(torch.bfloat16))
+    assert torch.equal(k.gemv(w, x, add), (add.float() + contract_dot(w, x)).to(torch.bfloat16))
+    xs = bf16(3, n, seed=24)
+    assert torch.equal(k.gemv_rows(w, xs), torch.stack([contract_dot(w, r) for r in xs]).to(torch.bfloat16))
+
+
+@needs_native
+@pytest.mark.parametrize("H", [17, 576])
+def test_rms_norm_bits_are_the_contracts_on_every_path(H):
+    x, w = bf16(4, H, seed=25), bf16(H, seed=26)
+    squares = torch.nn.functional.pad(x.float() * x.float(), (0, -H % 16)).view(4, -1, 16)
+    acc = torch.zeros(4, 16)
+    for k in range(squares.shape[1]):
+        acc = acc + squares[:, k]
+    scale = 1 / torch.sqrt(lanes_summed(acc) / torch.tensor(float(H)) + torch.tensor(1e-5, dtype=torch.float32))
+    expected = (x.float() * scale[:, None] * w.float()).to(torch.bfloat16)
+    assert torch.equal(native.kernels().rms_norm(x, w, 1e-5), expected)
 
 
 @needs_native

@@ -2,9 +2,9 @@
 
 `kernels()` -> `Kernels`, the ops of kernels_bf16.cpp (its comment states their contract): `gemv`
 (bfloat16 W @ x (+ add) with AVX512-BF16 dot products, twice torch.mv's speed on a decode step
-here), `rms_norm`, `swiglu` and `rope_` (one pass each where torch takes several); or None when this
-process computes with torch's kernels: KVSTORE_NATIVE=0, a CPU without AVX512-BF16, or a build that
-failed (a NativeKernelWarning says why, once). The first call settles it for the process; the build
+here, or AVX2 fused multiply-adds on CPUs without it), `rms_norm`, `swiglu` and `rope_` (one pass
+each where torch takes several); or None when this process computes with torch's kernels:
+KVSTORE_NATIVE=0, a CPU without AVX2, or a build that failed (a NativeKernelWarning says why, once). The first call settles it for the process; the build
 (build.py) happens once per machine and torch install. kvstore/engine/ops.py decides, op by op, which runs.
 
 `quant()` -> `QuantKernels`, the block-quantized products of kernels_quant.cpp (`qgemm`, on any CPU
@@ -12,8 +12,8 @@ with AVX2: AVX512-VNNI, AVX-VNNI or AVX2, the same bits on each), or None (KVSTO
 AVX2, a failed build): then `quant_reference` computes the same bits with torch ops, slowly.
 
 `attention()` -> the `attention_rows` op of attention.cpp (the attention of query rows over a paged
-bfloat16 KV cache, its comment states the contract), or None: KVSTORE_NATIVE=0, a CPU without AVX512,
-a failed build. Settled once per process, like `kernels()`; kvstore/engine/attention.py decides
+bfloat16 KV cache, its comment states the contract; AVX512, else AVX2 with the same arithmetic), or
+None: KVSTORE_NATIVE=0, a CPU without AVX2, a failed build. Settled once per process, like `kernels()`; kvstore/engine/attention.py decides
 where it runs.
 
 Bits: the two kernels round differently, so decoding is exact between runs that made the same
@@ -51,6 +51,7 @@ class Kernels:
     rms_norm: Callable  # (x [..., H], weight [>= H], eps) -> [..., H]
     swiglu: Callable  # (gate_up [..., 2F]) -> [..., F]
     rope_: Callable  # (x [T, heads, hd] | [heads, hd], cos, sin) -> x, in place
+    isa: str  # the path they take: "avx512-bf16" or "avx2" (the same bits but for subnormals)
 
 
 @dataclass(frozen=True)
@@ -134,19 +135,21 @@ def _load_quant() -> tuple[QuantKernels | None, str]:
 def _load_attention() -> tuple[Callable | None, str]:
     if (why := _built(ATTENTION_SOURCE, "attention over long contexts far slower")) is not None:
         return None, why
-    if not torch.ops.kvstore.attention_avx512():
-        return None, "torch's attention (this CPU has no AVX512)"
-    return torch.ops.kvstore.attention_rows.default, "native AVX512 attention"
+    isa = torch.ops.kvstore.attention_isa()
+    if not isa:
+        return None, "torch's attention (this CPU has neither AVX512 nor AVX2)"
+    return torch.ops.kvstore.attention_rows.default, f"native {isa.upper()} attention"
 
 
 def _load() -> tuple[Kernels | None, str]:
     if (why := _built(SOURCE, "decoding about half as fast")) is not None:
         return None, why
     ops = torch.ops.kvstore
-    if not ops.avx512_bf16():
-        return None, "torch's kernels (this CPU has no AVX512-BF16)"
+    isa = ops.bf16_isa()
+    if not isa:
+        return None, "torch's kernels (this CPU has neither AVX512-BF16 nor AVX2)"
     return Kernels(ops.gemv_bf16.default, ops.gemv_rows_bf16.default, ops.rms_norm_bf16.default, ops.swiglu_bf16.default,
-                   ops.rope_bf16_.default), "native AVX512-BF16 kernels"
+                   ops.rope_bf16_.default, isa), f"native {isa.upper()} kernels"
 
 
 def native_will_build() -> bool:

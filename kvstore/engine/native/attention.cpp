@@ -1,4 +1,4 @@
-// attention_rows: the attention of query rows over a paged bfloat16 KV cache, on CPUs with AVX512.
+// attention_rows: the attention of query rows over a paged bfloat16 KV cache, on CPUs with AVX512 or AVX2.
 //
 // attention_rows(q [R, n_heads, hd], pool [n_blocks, block_tokens, 2 (K, V), n_kv, hd],
 //                tables [S, max_blocks] int32, row_seq [R] int32, row_len [R] int32) -> [R, n_heads, hd]
@@ -26,7 +26,9 @@
 // partitions may run on several threads, their partials folded afterwards; neither changes a step
 // above: the floating-point code sits in functions that are never inlined (group_step, fold, finish,
 // lane_sum), so each is compiled once and every path runs the same instructions.
-// kvstore::attention_avx512() says whether this CPU can run it (AVX512 F, BW and VL);
+// The steps run on AVX512 (F, BW, VL: attention_steps.h) or, on CPUs without it, on AVX2 and FMA
+// (attention_steps_avx2.h: the same arithmetic on two 8-lane halves of each 16-lane vector).
+// kvstore::attention_isa() says which this CPU runs ("avx512", "avx2", or "" where neither);
 // kvstore::attention_dot_bf16() whether the scores use vdpbf16ps (tests turn it off to compare).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -34,6 +36,7 @@
 #include <torch/library.h>
 
 #include "attention_steps.h"
+#include "attention_steps_avx2.h"
 #include "simd.h"
 
 #include <algorithm>
@@ -41,6 +44,7 @@
 #include <cmath>
 #include <cstdint>
 #include <optional>
+#include <string>
 #include <vector>
 
 namespace {
@@ -60,6 +64,21 @@ struct Tile {
 // A tile's queries go KV head by KV head: query i is row row + (i % (rows G)) / G, head
 // (i / (rows G)) G + i % G; the queries of one KV head are rows G consecutive ones.
 
+// The floating-point steps of one instruction set (never inlined: see the contract above).
+struct Steps {
+  void (*group_step)(const Problem&, const uint16_t*, int64_t, const int64_t*, int64_t, int64_t, Work&);
+  void (*fold)(float*, const float*, float, float, int64_t, bool);
+  float (*lane_sum)(const float*);
+};
+
+const Steps& steps() {
+  static const Steps avx512_steps{&avx512::group_step, &avx512::fold, &avx512::lane_sum};
+  static const Steps avx2_steps{&avx2::group_step, &avx2::fold, &avx2::lane_sum};
+  return has_avx512() ? avx512_steps : avx2_steps;
+}
+
+const char* isa() { return has_avx512() ? "avx512" : has_avx2() ? "avx2" : ""; }
+
 struct Unit {
   int64_t tile, first, end;  // partitions first..end-1, every KV head
   int64_t cost;
@@ -69,11 +88,12 @@ struct Unit {
 
 // partitions u.first..u.end-1 of one tile, every KV head: folded and written out when the unit holds
 // all of them, else each partial into the scratch
-KV_AVX512 void run_unit(const Problem& pb, const Tile& t, const Unit& u, float* scratch, Work& w) {
+void run_unit(const Problem& pb, const Tile& t, const Unit& u, float* scratch, Work& w) {
+  const Steps& st = steps();
   const int64_t G = pb.group, hd = pb.hd, per_kv = t.rows * G, nq = per_kv * pb.n_kv, rec = pb.record();
   for (int64_t i = 0; i < nq; i++) {
     const uint16_t* q = pb.q + (t.row + i % per_kv / G) * pb.q_row + (i / per_kv * G + i % G) * pb.q_head;
-    for (int64_t d = 0; d < hd; d += 16) _mm512_store_ps(w.qf + i * hd + d, widen16(q + d));
+    for (int64_t d = 0; d < hd; d++) w.qf[i * hd + d] = c10::BFloat16(q[d], c10::BFloat16::from_bits());  // exact
     std::copy(q, q + hd, w.qb + i * hd);
   }
   int64_t len[kTileQueries], valid[kTileQueries];  // of the queries of one KV head (the same for each)
@@ -89,18 +109,18 @@ KV_AVX512 void run_unit(const Problem& pb, const Tile& t, const Unit& u, float* 
       const uint16_t* rows = pb.token(t.seq, g);
       read_in_order(rows, std::min(kGroup, t.max_len - g) * stride);
       for (int64_t kv = 0; kv < pb.n_kv; kv++)
-        group_step(pb, rows + kv * hd, std::min(kGroup, t.max_len - g), valid, kv * per_kv, per_kv, w);
+        st.group_step(pb, rows + kv * hd, std::min(kGroup, t.max_len - g), valid, kv * per_kv, per_kv, w);
     }
     for (int64_t i = 0; i < nq; i++) {
       if (len[i % per_kv] <= start) continue;
-      const float l = lane_sum(w.lsum + i * kGroup);
+      const float l = st.lane_sum(w.lsum + i * kGroup);
       if (t.split) {
         float* r = scratch + (t.scratch + part * nq + i) * rec;
         std::copy(w.acc + i * hd, w.acc + (i + 1) * hd, r);
         r[hd] = w.m[i];
         r[hd + 1] = l;
       } else {
-        fold(w.fold + i * rec, w.acc + i * hd, w.m[i], l, hd, part == 0);
+        st.fold(w.fold + i * rec, w.acc + i * hd, w.m[i], l, hd, part == 0);
       }
     }
   }
@@ -116,7 +136,7 @@ void fold_unit(const Problem& pb, const Tile& t, const float* scratch, float* f)
     const int64_t row = t.row + i % per_kv / G, parts = (pb.row_len[row] + kPartition - 1) / kPartition;
     for (int64_t part = 0; part < parts; part++) {
       const float* r = scratch + (t.scratch + part * nq + i) * rec;
-      fold(f, r, r[hd], r[hd + 1], hd, part == 0);
+      steps().fold(f, r, r[hd], r[hd + 1], hd, part == 0);
     }
     finish(f, hd, pb.out + (row * pb.n_heads + i / per_kv * G + i % G) * hd);
   }
@@ -183,7 +203,7 @@ Problem problem(const at::Tensor& q, const at::Tensor& pool, const at::Tensor& t
 
 at::Tensor attention_rows(const at::Tensor& q, const at::Tensor& pool, const at::Tensor& tables,
                           const at::Tensor& row_seq, const at::Tensor& row_len) {
-  TORCH_CHECK(has_avx512(), "attention_rows: this CPU has no AVX512 (F, BW, VL)");
+  TORCH_CHECK(*isa(), "attention_rows: this CPU has neither AVX512 (F, BW, VL) nor AVX2 with FMA");
   Problem pb = problem(q, pool, tables, row_seq, row_len);
   const int64_t R = q.size(0), G = pb.group, tile_rows = std::max<int64_t>(1, kTileQueries / G);
   at::Tensor out = at::empty({R, pb.n_heads, pb.hd}, q.options());
@@ -225,7 +245,7 @@ at::Tensor attention_rows(const at::Tensor& q, const at::Tensor& pool, const at:
   return out;
 }
 
-bool attention_avx512() { return has_avx512(); }
+std::string attention_isa() { return isa(); }
 
 // Whether the scores use vdpbf16ps (by default where the CPU has it); set(false) makes them take the
 // fused multiply-adds, for tests that compare the two. Returns the setting before.
@@ -242,7 +262,7 @@ bool attention_dot_bf16(std::optional<bool> set) {
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvstore, m) {
-  m.def("attention_avx512() -> bool", &attention_avx512);
+  m.def("attention_isa() -> str", &attention_isa);
   m.def("attention_dot_bf16(bool? set=None) -> bool", &attention_dot_bf16);
   m.def("attention_rows(Tensor q, Tensor pool, Tensor tables, Tensor row_seq, Tensor row_len) -> Tensor");
 }

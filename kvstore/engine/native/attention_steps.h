@@ -1,6 +1,8 @@
 // The arithmetic of attention.cpp's attention_rows (its comment states the contract): one group of 16
 // keys for the queries of one KV head (scores, online softmax, weighted values), a partition's partial
-// folded into the ones before, the output rounded. Included by attention.cpp alone.
+// folded into the ones before, the output rounded. Here for AVX512 (namespace avx512);
+// attention_steps_avx2.h has the same steps for AVX2 CPUs, lane for lane the same arithmetic.
+// Included by attention.cpp alone.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -71,7 +73,33 @@ struct Work {
   }
 };
 
-// ---- one group of 16 keys ------------------------------------------------------------------------
+// ---- what every instruction set shares ----------------------------------------------------------
+
+// Touches the group's rows (16 tokens of one block, each head's K then V: one stretch of memory) once
+// in address order. The reads across rows that follow are no stream the hardware prefetcher follows;
+// these loads are, which doubles the speed at which the cache comes from memory here (Zen 5), more than
+// software prefetches did.
+inline void read_in_order(const uint16_t* rows, int64_t elements) {
+  const volatile char* bytes = reinterpret_cast<const volatile char*>(rows);
+  for (int64_t b = 0; b < elements * 2; b += 64) (void)bytes[b];
+}
+
+// the output of a folded record: acc / l, rounded to bfloat16
+KV_NOINLINE void finish(const float* f, int64_t hd, uint16_t* out) {
+  const float l = f[hd + 1];
+  for (int64_t d = 0; d < hd; d++) out[d] = c10::BFloat16(f[d] / l).x;
+}
+
+// a record (acc [hd], m, l) that starts as the partial (acc, m, l): the first fold
+inline void start_record(float* f, const float* acc, float m, float l, int64_t hd) {
+  std::copy(acc, acc + hd, f);
+  f[hd] = m;
+  f[hd + 1] = l;
+}
+
+// ---- AVX512: one group of 16 keys ------------------------------------------------------------
+
+namespace avx512 {
 
 KV_AVX512 inline void transpose16(__m512i r[16]) {
   __m512i t[16], u[16];
@@ -245,25 +273,11 @@ KV_AVX512 KV_NOINLINE void group_step(const Problem& pb, const uint16_t* k, int6
   }
 }
 
-// Touches the group's rows (16 tokens of one block, each head's K then V: one stretch of memory) once
-// in address order. The reads across rows that follow are no stream the hardware prefetcher follows;
-// these loads are, which doubles the speed at which the cache comes from memory here (Zen 5), more than
-// software prefetches did.
-inline void read_in_order(const uint16_t* rows, int64_t elements) {
-  const volatile char* bytes = reinterpret_cast<const volatile char*>(rows);
-  for (int64_t b = 0; b < elements * 2; b += 64) (void)bytes[b];
-}
-
 // ---- partials -------------------------------------------------------------------------------------
 
 // f (a record: acc [hd], m, l) = the partial (acc, m, l) when first, else f folded with it
 KV_AVX512 KV_NOINLINE void fold(float* f, const float* acc, float m, float l, int64_t hd, bool first) {
-  if (first) {
-    std::copy(acc, acc + hd, f);
-    f[hd] = m;
-    f[hd + 1] = l;
-    return;
-  }
+  if (first) return start_record(f, acc, m, l, hd);
   const float top = std::max(f[hd], m);
   const __m512 a = exp_nonpositive(_mm512_set1_ps(f[hd] - top)), b = exp_nonpositive(_mm512_set1_ps(m - top));
   for (int64_t d = 0; d < hd; d += 16)
@@ -273,13 +287,9 @@ KV_AVX512 KV_NOINLINE void fold(float* f, const float* acc, float m, float l, in
   f[hd + 1] = _mm512_cvtss_f32(sum);
 }
 
-// the output of a folded record: acc / l, rounded to bfloat16
-KV_NOINLINE void finish(const float* f, int64_t hd, uint16_t* out) {
-  const float l = f[hd + 1];
-  for (int64_t d = 0; d < hd; d++) out[d] = c10::BFloat16(f[d] / l).x;
-}
-
 // the sum of a query's 16 lane sums, in _mm512_reduce_add_ps's fixed tree
 KV_AVX512 KV_NOINLINE float lane_sum(const float* lsum) { return _mm512_reduce_add_ps(_mm512_load_ps(lsum)); }
+
+}  // namespace avx512
 
 }  // namespace

@@ -1,5 +1,6 @@
-// bfloat16 kernels for the Llama forward on CPUs with AVX512-BF16: one pass each where torch takes
-// several, float32 inside, one rounding to bfloat16 at the end.
+// bfloat16 kernels for the Llama forward on CPUs with AVX512-BF16, or AVX2 with FMA (the same
+// arithmetic on two 8-lane halves of each 16-lane step: kernels_bf16_avx2.h): one pass each where
+// torch takes several, float32 inside, one rounding to bfloat16 at the end.
 //
 // - gemv_bf16(W [rows, n], x [n], add=None) -> [rows]: y = W x (+ add), the one-row products (the
 //   decode step); gemv_rows_bf16 does it for several rows (several sessions' decode steps) in one
@@ -18,8 +19,9 @@
 //   count or on which thread took the row. Results round once, to nearest even.
 // - Inputs are bfloat16 CPU tensors; non-contiguous ones are copied first, except rope's x, which
 //   is updated in place through its strides (its last dimension must be contiguous).
-// - kvstore::avx512_bf16() says whether this CPU has the instructions; the kernels refuse to run
-//   without them.
+// - kvstore::bf16_isa() says which path this CPU takes: "avx512-bf16", "avx2" (bits equal to the
+//   AVX512 path's but where a value is subnormal: vdpbf16ps and vcvtneps2bf16 flush those), or "" where
+//   neither runs: then the kernels refuse to run.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -28,6 +30,7 @@
 
 #include <immintrin.h>
 
+#include "kernels_bf16_avx2.h"
 #include "simd.h"
 
 #include <cmath>
@@ -67,14 +70,26 @@ KV_AVX512_BF16 void dot_rows(const uint16_t* w, const uint16_t* x, int64_t n, in
 bool avx512_bf16() {
   static const bool present = [] {
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512bf16") != 0;
+    return has_avx512() && __builtin_cpu_supports("avx512bf16") != 0;
   }();
   return present;
 }
 
-void require_avx512_bf16(const char* op) {
-  TORCH_CHECK(avx512_bf16(), op, ": this CPU has no AVX512-BF16 instructions");
+std::string bf16_isa() { return avx512_bf16() ? "avx512-bf16" : has_avx2() ? "avx2" : ""; }
+
+void require_isa(const char* op) {
+  TORCH_CHECK(avx512_bf16() || has_avx2(), op, ": this CPU has neither AVX512-BF16 nor AVX2 with FMA");
 }
+
+// The row steps of this CPU's path (see bf16_isa).
+struct Steps {
+  void (*dot_rows)(const uint16_t*, const uint16_t*, int64_t, int64_t, float*);
+  void (*rms_norm_row)(const uint16_t*, const uint16_t*, uint16_t*, int64_t, float);
+  void (*swiglu_row)(const uint16_t*, const uint16_t*, uint16_t*, int64_t);
+  void (*rope_head)(uint16_t*, const uint16_t*, const uint16_t*, int64_t);
+};
+
+const Steps& steps();
 
 // t is a bfloat16 CPU tensor with `dims` dimensions (0: any number but none)
 void check(const at::Tensor& t, const char* op, const char* what, int64_t dims = 0) {
@@ -93,12 +108,13 @@ void products(const at::Tensor& w, const at::Tensor& x, int64_t R, const uint16_
   const uint16_t *W = bits(w), *X = bits(x);
   auto* Y = static_cast<c10::BFloat16*>(y.data_ptr());
   const int64_t blocks = (rows + kRows - 1) / kRows;
+  const Steps& st = steps();
   at::parallel_for(0, blocks, kGrain, [&](int64_t begin, int64_t end) {
     float dots[kRows];
     for (int64_t b = begin; b < end; b++) {
       const int64_t r0 = b * kRows, count = std::min(kRows, rows - r0);
       for (int64_t t = 0; t < R; t++) {
-        dot_rows(W + r0 * n, X + t * n, n, count, dots);
+        st.dot_rows(W + r0 * n, X + t * n, n, count, dots);
         for (int64_t i = 0; i < count; i++) {
           const float extra = add ? float(c10::BFloat16(add[t * rows + r0 + i], c10::BFloat16::from_bits())) : 0.0f;
           Y[t * rows + r0 + i] = c10::BFloat16(extra + dots[i]);
@@ -109,7 +125,7 @@ void products(const at::Tensor& w, const at::Tensor& x, int64_t R, const uint16_
 }
 
 at::Tensor gemv_bf16(const at::Tensor& w_any, const at::Tensor& x_any, const std::optional<at::Tensor>& add_any) {
-  require_avx512_bf16("gemv_bf16");
+  require_isa("gemv_bf16");
   check(w_any, "gemv_bf16", "the matrix", 2);
   check(x_any, "gemv_bf16", "the vector", 1);
   const at::Tensor w = w_any.contiguous(), x = x_any.contiguous();
@@ -131,7 +147,7 @@ at::Tensor gemv_bf16(const at::Tensor& w_any, const at::Tensor& x_any, const std
 // the weights read once for all of them (each block of weight rows meets every x row while it is in
 // the cache); every output element is the very dot product gemv_bf16 computes for its row alone.
 at::Tensor gemv_rows_bf16(const at::Tensor& w_any, const at::Tensor& x_any, const std::optional<at::Tensor>& add_any) {
-  require_avx512_bf16("gemv_rows_bf16");
+  require_isa("gemv_rows_bf16");
   check(w_any, "gemv_rows_bf16", "the matrix", 2);
   check(x_any, "gemv_rows_bf16", "the rows", 2);
   const at::Tensor w = w_any.contiguous(), x = x_any.contiguous();
@@ -194,8 +210,14 @@ KV_AVX512_BF16 void rope_head(uint16_t* x, const uint16_t* cos, const uint16_t* 
   }
 }
 
+const Steps& steps() {
+  static const Steps avx512{&dot_rows, &rms_norm_row, &swiglu_row, &rope_head};
+  static const Steps on_avx2{&avx2::dot_rows, &avx2::rms_norm_row, &avx2::swiglu_row, &avx2::rope_head};
+  return avx512_bf16() ? avx512 : on_avx2;
+}
+
 at::Tensor rms_norm_bf16(const at::Tensor& x_any, const at::Tensor& w_any, double eps) {
-  require_avx512_bf16("rms_norm_bf16");
+  require_isa("rms_norm_bf16");
   check(x_any, "rms_norm_bf16", "x");
   check(w_any, "rms_norm_bf16", "the weight");
   const at::Tensor x = x_any.contiguous(), w = w_any.contiguous();
@@ -205,13 +227,13 @@ at::Tensor rms_norm_bf16(const at::Tensor& x_any, const at::Tensor& w_any, doubl
   const uint16_t *X = bits(x), *W = bits(w);
   uint16_t* O = bits_out(out);
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; r++) rms_norm_row(X + r * H, W, O + r * H, H, float(eps));
+    for (int64_t r = begin; r < end; r++) steps().rms_norm_row(X + r * H, W, O + r * H, H, float(eps));
   });
   return out;
 }
 
 at::Tensor swiglu_bf16(const at::Tensor& gu_any) {
-  require_avx512_bf16("swiglu_bf16");
+  require_isa("swiglu_bf16");
   check(gu_any, "swiglu_bf16", "gate_up");
   const at::Tensor gu = gu_any.contiguous();
   TORCH_CHECK(gu.size(-1) % 2 == 0, "swiglu_bf16: the last dimension (gate | up) must be even");
@@ -222,13 +244,13 @@ at::Tensor swiglu_bf16(const at::Tensor& gu_any) {
   const uint16_t* G = bits(gu);
   uint16_t* O = bits_out(out);
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; r++) swiglu_row(G + r * 2 * F, G + r * 2 * F + F, O + r * F, F);
+    for (int64_t r = begin; r < end; r++) steps().swiglu_row(G + r * 2 * F, G + r * 2 * F + F, O + r * F, F);
   });
   return out;
 }
 
 at::Tensor& rope_bf16_(at::Tensor& x, const at::Tensor& cos_any, const at::Tensor& sin_any) {
-  require_avx512_bf16("rope_bf16_");
+  require_isa("rope_bf16_");
   check(x, "rope_bf16_", "x");
   check(cos_any, "rope_bf16_", "cos");
   check(sin_any, "rope_bf16_", "sin");
@@ -243,7 +265,7 @@ at::Tensor& rope_bf16_(at::Tensor& x, const at::Tensor& cos_any, const at::Tenso
   const uint16_t *C = bits(cos), *S = bits(sin);
   at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; t++)
-      for (int64_t h = 0; h < heads; h++) rope_head(X + t * st + h * sh, C + t * hd, S + t * hd, hd);
+      for (int64_t h = 0; h < heads; h++) steps().rope_head(X + t * st + h * sh, C + t * hd, S + t * hd, hd);
   });
   return x;
 }
@@ -252,6 +274,7 @@ at::Tensor& rope_bf16_(at::Tensor& x, const at::Tensor& cos_any, const at::Tenso
 
 TORCH_LIBRARY(kvstore, m) {
   m.def("avx512_bf16() -> bool", &avx512_bf16);
+  m.def("bf16_isa() -> str", &bf16_isa);
   m.def("gemv_bf16(Tensor w, Tensor x, Tensor? add=None) -> Tensor");
   m.def("gemv_rows_bf16(Tensor w, Tensor x, Tensor? add=None) -> Tensor");
   m.def("rms_norm_bf16(Tensor x, Tensor weight, float eps) -> Tensor");

@@ -1,8 +1,9 @@
-// AVX512 helpers shared by the native kernels: bfloat16 lanes widened to float32, and e^x for x <= 0.
+// SIMD helpers shared by the native kernels: bfloat16 lanes widened to float32, and e^x for x <= 0,
+// for AVX512 (16 lanes) and for AVX2 (8 lanes, the same arithmetic lane for lane).
 //
-// They carry the AVX512F/BW/VL target (KV_AVX512) only, the subset every kernel here compiles for, so
-// they inline into functions that add AVX512-BF16 (KV_AVX512_BF16). build.py hashes this header with
-// each source.
+// The AVX512 ones carry the AVX512F/BW/VL target (KV_AVX512) only, the subset every AVX512 kernel here
+// compiles for, so they inline into functions that add AVX512-BF16 (KV_AVX512_BF16); the AVX2 ones
+// carry AVX2 and FMA (KV_AVX2). build.py hashes this header with each source.
 #pragma once
 
 #include <immintrin.h>
@@ -11,6 +12,7 @@
 
 #define KV_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl")))
 #define KV_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+#define KV_AVX2 __attribute__((target("avx2,fma")))
 
 // the mask of the first min(left, 16) lanes
 static inline __mmask16 lanes16(int64_t left) { return left >= 16 ? __mmask16(0xffff) : __mmask16((1u << left) - 1); }
@@ -36,6 +38,35 @@ KV_AVX512 static inline __m512 exp_nonpositive(__m512 x) {
   __m512 p = _mm512_set1_ps(1.0f / 5040);
   for (float c : {1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f}) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
   return _mm512_scalef_ps(p, n);
+}
+
+// 8 bfloat16 values widened exactly to float32
+KV_AVX2 static inline __m256 widen8(const uint16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+
+// exp_nonpositive on 8 lanes, the same bits: the same steps, and 2^n applied as scalef does, with one
+// rounding (p 2^(n+64) is exact for the n here, -150..0; the multiply by 2^-64 rounds once where the
+// result is subnormal)
+KV_AVX2 static inline __m256 exp_nonpositive8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-104.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860682030941723e-6f), r);
+  __m256 p = _mm256_set1_ps(1.0f / 5040);
+  for (float c : {1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f}) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+  const __m256i two_n64 = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127 + 64)), 23);
+  return _mm256_mul_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(two_n64)), _mm256_set1_ps(0x1p-64f));
+}
+
+// whether this CPU runs KV_AVX2 code
+static inline bool has_avx2() {
+  static const bool present = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  }();
+  return present;
 }
 
 // whether this CPU runs KV_AVX512 code

@@ -1,0 +1,176 @@
+// attention_steps.h's steps for CPUs with AVX2 and FMA but no AVX512 (namespace avx2): one group of
+// 16 keys, a partial folded, the lanes of l summed. Each of the 16 float32 lanes of the AVX512 steps
+// is a lane of one of two 8-lane halves here, and goes through the same operations in the same order
+// (the fused multiply-add scores, exp_nonpositive8, the fixed tree of lane_sum), so the bits are the
+// AVX512 steps' without vdpbf16ps. Included by attention.cpp alone.
+#pragma once
+
+#include "attention_steps.h"
+
+namespace {
+namespace avx2 {
+
+// r[i] = column i of the 8 x 8 matrix of 32-bit values whose rows are r
+KV_AVX2 inline void transpose8(__m256 r[8]) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+    u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xee);
+    u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xee);
+  }
+  for (int i = 0; i < 4; i++) {
+    r[i] = _mm256_permute2f128_ps(u[i], u[4 + i], 0x20);
+    r[4 + i] = _mm256_permute2f128_ps(u[i], u[4 + i], 0x31);
+  }
+}
+
+// K rows (16 from k, `stride` elements apart) -> kt [hd / 2][16], as avx512::keys_by_pairs
+KV_AVX2 void keys_by_pairs(const uint16_t* k, int64_t stride, int64_t hd, uint32_t* kt) {
+  for (int64_t b = 0; b < hd / 2; b += 8)  // pairs b..b+7 (hd is a multiple of 16)
+    for (int64_t h = 0; h < 2; h++) {      // keys 8h..8h+7
+      __m256 r[8];
+      for (int64_t j = 0; j < 8; j++) r[j] = _mm256_loadu_ps(reinterpret_cast<const float*>(k + (8 * h + j) * stride + 2 * b));
+      transpose8(r);  // r[i]: pair b + i of the 8 keys
+      for (int64_t i = 0; i < 8; i++) _mm256_store_ps(reinterpret_cast<float*>(kt + (b + i) * kGroup + 8 * h), r[i]);
+    }
+}
+
+// avx512::scores_fma, half of the lanes at a time
+template <int N>
+KV_AVX2 void scores_fma(const float* qf, int64_t hd, const uint32_t* kt, float scale, float* s) {
+  const __m256i high = _mm256_set1_epi32(int32_t(0xffff0000u));
+  for (int64_t h = 0; h < 2; h++) {
+    __m256 sum[N][2];
+    for (int i = 0; i < N; i++) sum[i][0] = sum[i][1] = _mm256_setzero_ps();
+    for (int64_t p = 0; p < hd / 2; p += 2)
+      for (int c = 0; c < 2; c++) {
+        const __m256i k = _mm256_load_si256(reinterpret_cast<const __m256i*>(kt + (p + c) * kGroup + 8 * h));
+        const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(k, 16)), odd = _mm256_castsi256_ps(_mm256_and_si256(k, high));
+        const int64_t d = 2 * (p + c);
+        for (int i = 0; i < N; i++) {
+          sum[i][c] = _mm256_fmadd_ps(_mm256_set1_ps(qf[i * hd + d + 1]), odd, sum[i][c]);
+          sum[i][c] = _mm256_fmadd_ps(_mm256_set1_ps(qf[i * hd + d]), even, sum[i][c]);
+        }
+      }
+    for (int i = 0; i < N; i++)
+      _mm256_store_ps(s + i * kGroup + 8 * h, _mm256_mul_ps(_mm256_add_ps(sum[i][0], sum[i][1]), _mm256_set1_ps(scale)));
+  }
+}
+
+// avx512::weighted_values for 16 dimensions from d0 (two halves)
+template <int N>
+KV_AVX2 void weighted_values(const float* p, const float* corr, const int64_t* valid, const uint16_t* v,
+                             int64_t stride, int64_t hd, int64_t d0, float* acc) {
+  __m256 a[N][2];
+  int64_t keys = 0;
+  for (int i = 0; i < N; i++) {
+    keys = std::max(keys, valid[i]);
+    const __m256 c = _mm256_set1_ps(corr[i]);
+    for (int w = 0; w < 2; w++) a[i][w] = valid[i] ? _mm256_mul_ps(_mm256_load_ps(acc + i * hd + d0 + 8 * w), c) : c;
+  }
+  for (int64_t j = 0; j < keys; j++) {
+    const __m256 vj[2] = {widen8(v + j * stride + d0), widen8(v + j * stride + d0 + 8)};
+    for (int i = 0; i < N; i++) {
+      if (j >= valid[i]) continue;
+      const __m256 pj = _mm256_set1_ps(p[i * kGroup + j]);
+      for (int w = 0; w < 2; w++) a[i][w] = _mm256_fmadd_ps(pj, vj[w], a[i][w]);
+    }
+  }
+  for (int i = 0; i < N; i++)
+    if (valid[i])
+      for (int w = 0; w < 2; w++) _mm256_store_ps(acc + i * hd + d0 + 8 * w, a[i][w]);
+}
+
+// the largest of 8 lanes (max is exact: any order gives it)
+KV_AVX2 inline float lane_max(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_extractf128_ps(v, 1), _mm256_castps256_ps128(v));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+// avx512::group_step
+KV_AVX2 KV_NOINLINE void group_step(const Problem& pb, const uint16_t* k, int64_t, const int64_t* valid,
+                                    int64_t first, int64_t nq, Work& w) {
+  const int64_t hd = pb.hd, stride = pb.token_stride(), v_off = pb.n_kv * hd;  // V of the head: v_off on
+  const float* qf_all = w.qf + first * hd;
+  float *p_all = w.p + first * kGroup, *lsum = w.lsum + first * kGroup;
+  float *m_all = w.m + first, *corr_all = w.corr + first, *acc_all = w.acc + first * hd;
+  keys_by_pairs(k, stride, hd, w.kt);
+  for (int64_t i = 0; i < nq; i += kSub) {
+    const int64_t n = std::min<int64_t>(kSub, nq - i);
+    if (*std::max_element(valid + i, valid + i + n) == 0) continue;
+    const float* qf = qf_all + i * hd;
+    float* s = p_all + i * kGroup;
+    switch (n) {
+      case 1: scores_fma<1>(qf, hd, w.kt, pb.scale, s); break;
+      case 2: scores_fma<2>(qf, hd, w.kt, pb.scale, s); break;
+      case 3: scores_fma<3>(qf, hd, w.kt, pb.scale, s); break;
+      default: scores_fma<4>(qf, hd, w.kt, pb.scale, s); break;
+    }
+  }
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256 neg_inf = _mm256_set1_ps(kNegInf);
+  for (int64_t i = 0; i < nq; i++) {
+    if (valid[i] == 0) continue;
+    float* pi = p_all + i * kGroup;
+    float* li = lsum + i * kGroup;
+    __m256 mask[2], s[2];
+    for (int h = 0; h < 2; h++) {
+      mask[h] = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(int32_t(valid[i] - 8 * h)), lane));
+      s[h] = _mm256_blendv_ps(neg_inf, _mm256_load_ps(pi + 8 * h), mask[h]);
+    }
+    const float m = std::max(m_all[i], lane_max(_mm256_max_ps(s[0], s[1])));
+    const float c = m_all[i] == kNegInf ? 0.0f
+                    : m_all[i] == m     ? 1.0f
+                                        : _mm256_cvtss_f32(exp_nonpositive8(_mm256_set1_ps(m_all[i] - m)));
+    for (int h = 0; h < 2; h++) {
+      const __m256 p = _mm256_and_ps(mask[h], exp_nonpositive8(_mm256_sub_ps(s[h], _mm256_set1_ps(m))));
+      _mm256_store_ps(li + 8 * h, _mm256_fmadd_ps(_mm256_load_ps(li + 8 * h), _mm256_set1_ps(c), p));
+      _mm256_store_ps(pi + 8 * h, p);
+    }
+    m_all[i] = m;
+    corr_all[i] = c;
+  }
+  for (int64_t i = 0; i < nq; i += kSub) {
+    const int64_t n = std::min<int64_t>(kSub, nq - i);
+    const float *p = p_all + i * kGroup, *corr = corr_all + i;
+    float* acc = acc_all + i * hd;
+    for (int64_t d0 = 0; d0 < hd; d0 += 16) {
+      switch (n) {
+        case 1: weighted_values<1>(p, corr, valid + i, k + v_off, stride, hd, d0, acc); break;
+        case 2: weighted_values<2>(p, corr, valid + i, k + v_off, stride, hd, d0, acc); break;
+        case 3: weighted_values<3>(p, corr, valid + i, k + v_off, stride, hd, d0, acc); break;
+        default: weighted_values<4>(p, corr, valid + i, k + v_off, stride, hd, d0, acc); break;
+      }
+    }
+  }
+}
+
+// avx512::fold
+KV_AVX2 KV_NOINLINE void fold(float* f, const float* acc, float m, float l, int64_t hd, bool first) {
+  if (first) return start_record(f, acc, m, l, hd);
+  const float top = std::max(f[hd], m);
+  const __m256 a = exp_nonpositive8(_mm256_set1_ps(f[hd] - top)), b = exp_nonpositive8(_mm256_set1_ps(m - top));
+  for (int64_t d = 0; d < hd; d += 8)
+    _mm256_store_ps(f + d, _mm256_fmadd_ps(_mm256_load_ps(f + d), a, _mm256_mul_ps(_mm256_load_ps(acc + d), b)));
+  const __m256 sum = _mm256_fmadd_ps(_mm256_set1_ps(f[hd + 1]), a, _mm256_mul_ps(_mm256_set1_ps(l), b));
+  f[hd] = top;
+  f[hd + 1] = _mm256_cvtss_f32(sum);
+}
+
+// the sum of a query's 16 lane sums in _mm512_reduce_add_ps's tree: the halves added lane by lane,
+// then the quarters, then lanes 0 + 2 and 1 + 3, then those two
+KV_AVX2 KV_NOINLINE float lane_sum(const float* lsum) {
+  const __m256 eight = _mm256_add_ps(_mm256_load_ps(lsum + 8), _mm256_load_ps(lsum));
+  const __m128 four = _mm_add_ps(_mm256_extractf128_ps(eight, 1), _mm256_castps256_ps128(eight));
+  const __m128 two = _mm_add_ps(four, _mm_shuffle_ps(four, four, _MM_SHUFFLE(1, 0, 3, 2)));
+  return _mm_cvtss_f32(two) + _mm_cvtss_f32(_mm_shuffle_ps(two, two, 1));
+}
+
+}  // namespace avx2
+}  // namespace

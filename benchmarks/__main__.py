@@ -23,7 +23,8 @@ CPU's published service results (benchmarks/results/serve/<cpu>.json, from `pyth
 
 A batching phase (benchmarks/batching.py, when it exists) runs as part of the suite: the module's
 `run(model, quick=..., threads=..., log=...)` returns a JSON-able dict kept as results["batching"],
-which the report renders through the module's `section(batching) -> [markdown lines]`.
+which the report renders through the module's `section(batching) -> [markdown lines]`, and whose
+goals join the summary through its optional `targets(batching, add)` (report.targets' `add`).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ FULL = {"lengths": [512, 1024, 2048, 4096, 8191], "save_lengths": [2048, 8191], 
         "decode_new": 129, "decode_prompt": 1024, "intervals": [1, 4, 16, 64], "forks": 16, "fork_new": 16,
         "quality": {"tokens": 20_000, "window": None}}
 QUICK = {"lengths": [512, 2048], "save_lengths": [2048], "reps": 2, "engine_reps": 2, "max_wait": 0.0,
-         "contexts": [256, 1024], "engine_new": 16, "prefill": 512, "decode_new": 33, "decode_prompt": 512,
+         "contexts": [256, 512], "engine_new": 16, "prefill": 512, "decode_new": 33, "decode_prompt": 512,
          "intervals": [1, 4, 16, 64], "forks": 4, "fork_new": 4, "quality": {"tokens": 2048, "window": 512}}
 
 
@@ -236,12 +237,11 @@ def _quality(models: dict, llama, with_hf: bool, cfg: dict) -> dict:
 
 def _batching(model, args) -> dict | None:
     """benchmarks/batching.py's phase, where this checkout has it (see the module's docstring)."""
-    import importlib.util
+    from .report import batching_module
 
-    if importlib.util.find_spec(f"{__package__}.batching") is None:
+    batching = batching_module()
+    if batching is None:
         return None
-    from . import batching
-
     return batching.run(model, quick=args.quick, threads=args.threads, log=log)
 
 

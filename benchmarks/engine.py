@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     out = phase(engines, models[OURS], cfg, log=lambda m: print(m, file=sys.stderr))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "engine.json").write_text(json.dumps(out, indent=1) + "\n")
-    print("\n".join(report.engine_tables(out, models[OURS].config)))
+    print("\n".join(report.engine_tables(out)))
     return 0
 
 

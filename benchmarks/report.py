@@ -96,6 +96,8 @@ def targets(r: dict) -> list[dict]:
     add("unpack: raw bytes / time to open a packed 2,048-token session (warm)", unpack,
         unpack and f"{unpack:.2f} GB/s", "≥ 1 GB/s", lambda v: v >= 1)
     quality_targets(r.get("quality"), add)
+    if "batching" in r and (module := batching_module()) is not None and hasattr(module, "targets"):
+        module.targets(r["batching"], add)  # its goals, through the same `add(goal, value, text, target, ok)`
     scale_targets(r.get("scale"), add)
     return rows
 
@@ -432,18 +434,27 @@ def machines_section(r: dict, machines: list[dict]) -> list[str]:
     return lines + [""]
 
 
-def batching_section(r: dict) -> list[str]:
-    """results["batching"] rendered by benchmarks/batching.py's `section`, where the module exists."""
-    if "batching" not in r:
-        return []
+def batching_module():
+    """benchmarks/batching.py where this checkout has it, else None."""
     import importlib.util
 
     if importlib.util.find_spec(f"{__package__}.batching") is None:
-        return ["## Batching", "", "These results have a batching phase, but this checkout has no "
-                "benchmarks/batching.py to render it.", ""]
+        return None
     from . import batching
 
-    return list(batching.section(r["batching"]))
+    return batching
+
+
+def batching_section(r: dict) -> list[str]:
+    """results["batching"] rendered by benchmarks/batching.py's `section(batching) -> [markdown lines]`
+    (and its goals in the summary by its optional `targets(batching, add)`), where the module exists."""
+    if "batching" not in r:
+        return []
+    module = batching_module()
+    if module is None:
+        return ["## Batching", "", "These results have a batching phase, but this checkout has no "
+                "benchmarks/batching.py to render it.", ""]
+    return list(module.section(r["batching"]))
 
 
 def save_section(r: dict) -> list[str]:

@@ -368,9 +368,13 @@ def test_a_batching_phase_is_rendered_by_its_own_module(monkeypatch):
     r = fake() | {"batching": {"sessions": 4}}
     module = types.ModuleType("benchmarks.batching")
     module.section = lambda b: ["## Batching", "", f"{b['sessions']} sessions in one pool", ""]
+    module.targets = lambda b, add: add("sessions in one pool", b["sessions"], f"{b['sessions']}", "≥ 8",
+                                        lambda v: v >= 8)
     monkeypatch.setitem(sys.modules, "benchmarks.batching", module)
-    monkeypatch.setattr("importlib.util.find_spec", lambda name: object())
-    assert "## Batching\n\n4 sessions in one pool" in report.markdown(r)
+    monkeypatch.setattr(report, "batching_module", lambda: module)
+    text = report.markdown(r)
+    assert "## Batching\n\n4 sessions in one pool" in text
+    assert "| sessions in one pool | 4 | ≥ 8 | **not met** |" in text
 
 
 def test_readme_section_is_replaced_and_the_rest_kept(tmp_path):

@@ -1,21 +1,30 @@
 """kvstore against what people would use instead: one suite, one report.
 
-    python -m benchmarks run              # full suite (~15 min on 2 cores, then ~30 min for the store of
+    python -m benchmarks run              # full suite (~30 min on 2 cores, then ~30 min for the store of
                                           # 100,000 sessions): publishes (below)
-    python -m benchmarks run --quick      # CI-sized (< 3 min; a store of 1,000 sessions): into benchmarks/out/
+    python -m benchmarks run --quick      # CI-sized (a few minutes; a store of 1,000 sessions): into benchmarks/out/
+    python -m benchmarks.quality [--quick]  # the perplexity phase alone: benchmarks/out/quality.json
     python -m benchmarks.scale [--quick]  # the store-scale phase alone: benchmarks/out/scale.json
     python -m benchmarks.serve [--quick]  # the service phase alone (`kvstore serve` vs llama.cpp's server):
                                           # benchmarks/out/serve.json; --publish: its per-CPU file
     python -m benchmarks report [--results benchmarks/results.json] [--dest DIR] [--readme README.md]
 
-`run` loads SmolLM2-135M-Instruct in bfloat16 on --threads threads for kvstore and Hugging Face
-transformers (and llama.cpp's own Q4_1 run when llama-cpp-python is installed), measures
-alternately (A B A B) and writes every repetition to results.json, then the report from it.
-A full run with the peers publishes: benchmarks/results.json (and a copy per CPU model in
-benchmarks/results/), benchmarks/REPORT.md with plots/, and the README's Benchmarks section, all
-from that one results.json, plus a Service section for each CPU's published service results
-(benchmarks/results/serve/<cpu>.json, from `python -m benchmarks.serve --publish`) other than this
-run's own. `report` rebuilds them from a results.json and those files.
+`run` loads SmolLM2-135M-Instruct for kvstore as it loads by default (the GGUF's blocks as stored,
+where the native kernels run) and again with its weights dequantized to bfloat16, for Hugging Face
+transformers in bfloat16, and for llama.cpp when llama-cpp-python is installed, all on --threads
+threads; measures alternately (A B A B), with the machine's read bandwidth beside the decode rates;
+writes every repetition to results.json, then the report from it. A full run with the peers
+publishes: benchmarks/results.json and its copy for this machine kind (benchmarks/results/<cpu>.json,
+`report.cpu_slug`: the CPU's name and its widest kernel path, since one name can cover CPUs of
+different instruction sets), benchmarks/REPORT.md with plots/ (its table of machine kinds from every
+file in benchmarks/results/) and the README's Benchmarks section, plus a Service section for each
+CPU's published service results (benchmarks/results/serve/<cpu>.json, from `python -m benchmarks.serve
+--publish`) other than this run's own. `report` rebuilds them from a results.json and those files.
+
+A batching phase (benchmarks/batching.py, when it exists) runs as part of the suite: the module's
+`run(model, quick=..., threads=..., log=...)` returns a JSON-able dict kept as results["batching"],
+which the report renders through the module's `section(batching) -> [markdown lines]`, and whose
+goals join the summary through its optional `targets(batching, add)` (report.targets' `add`).
 """
 
 from __future__ import annotations
@@ -24,7 +33,6 @@ import argparse
 import json
 import os
 import platform
-import random
 import subprocess
 import sys
 import tempfile
@@ -33,13 +41,16 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 OUT = HERE / "out"
-FULL = {"lengths": [512, 1024, 2048, 4096, 8191], "save_lengths": [2048, 8191], "reps": 5, "engine_reps": 7,
-        "max_wait": 10.0, "decode_new": 129, "decode_prompt": 1024, "intervals": [1, 4, 16, 64], "forks": 16,
-        "fork_new": 16}
-# --quick also shortens benchmarks.engine's prompts (its module constants) to these
+# contexts / engine_new / prefill / engine_reps: the engine phase (decode after a prompt of each
+# context, new tokens timed, prefill length); decode_new / decode_prompt: the checkpoint phase;
+# quality: benchmarks.quality's text and window (None: the model's context)
+FULL = {"lengths": [512, 1024, 2048, 4096, 8191], "save_lengths": [2048, 8191], "reps": 5, "engine_reps": 5,
+        "max_wait": 10.0, "contexts": [1024, 2048, 8160], "engine_new": 32, "prefill": 2048,
+        "decode_new": 129, "decode_prompt": 1024, "intervals": [1, 4, 16, 64], "forks": 16, "fork_new": 16,
+        "quality": {"tokens": 20_000, "window": None}}
 QUICK = {"lengths": [512, 2048], "save_lengths": [2048], "reps": 2, "engine_reps": 2, "max_wait": 0.0,
-         "decode_new": 33, "decode_prompt": 512, "intervals": [1, 4, 16, 64], "forks": 4, "fork_new": 4,
-         "engine_prompt": 256, "engine_prefill": 512}
+         "contexts": [256, 512], "engine_new": 16, "prefill": 512, "decode_new": 33, "decode_prompt": 512,
+         "intervals": [1, 4, 16, 64], "forks": 4, "fork_new": 4, "quality": {"tokens": 2048, "window": 512}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,6 +61,9 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--reps", type=int, help="repetitions per measurement (engine: --reps too)")
     run.add_argument("--threads", type=int, default=2)
     run.add_argument("--model", default="smollm2", help="alias or .gguf path")
+    run.add_argument("--weights", choices=("stored", "dense", "q8_0"),
+                     help="how kvstore holds the weights (default: the library's, the GGUF's blocks as stored where "
+                          "its native kernels run); a bfloat16 row is measured beside it unless it is dense")
     run.add_argument("--no-peers", action="store_true", help="kvstore only (no HF transformers, no llama.cpp)")
     run.add_argument("--no-llama", action="store_true", help="leave llama.cpp out even when it is installed")
     run.add_argument("--out", type=Path, default=OUT, help="where results.json goes (default benchmarks/out)")
@@ -60,37 +74,40 @@ def main(argv: list[str] | None = None) -> int:
     rep.add_argument("--dest", type=Path, default=HERE)
     rep.add_argument("--readme", type=Path, help="also put the summary table into this README's Benchmarks section")
     args = p.parse_args(argv)
-    if args.command == "report":
-        from . import report
+    from . import report
 
+    if args.command == "report":
         results = json.loads(args.results.read_text())
-        return write_report(results, args.dest, args.readme, report.published_services(HERE, results))
+        return write_report(results, args.dest, args.readme, report.published_services(HERE, results),
+                            report.published_machines(HERE, results))
     results = run_suite(args)
     args.out.mkdir(parents=True, exist_ok=True)
     text = json.dumps(results, indent=1) + "\n"
     (args.out / "results.json").write_text(text)
     if args.quick or args.no_peers or args.dest is not None:  # only a full run with the peers is published
-        return write_report(results, args.dest or args.out, None)
+        return write_report(results, args.dest or args.out, None, (), report.published_machines(HERE, results))
     return publish(results, text)
 
 
 def publish(results: dict, text: str) -> int:
-    """The committed figures, all from one results.json: it, its copy for this CPU model, the report
-    and its plots, and the README's Benchmarks section."""
+    """The committed figures, all from one results.json: it, its copy for this machine kind, the
+    report and its plots, and the README's Benchmarks section."""
     from . import report
 
     (HERE / "results.json").write_text(text)
-    per_cpu = HERE / "results" / f"{report.cpu_slug(results)}.json"
+    per_cpu = report.machines_dir(HERE) / f"{report.cpu_slug(results)}.json"
     per_cpu.parent.mkdir(exist_ok=True)
     per_cpu.write_text(text)
     print(f"results: {HERE / 'results.json'} (and {per_cpu.relative_to(HERE.parent)})")
-    return write_report(results, HERE, HERE.parent / "README.md", report.published_services(HERE, results))
+    return write_report(results, HERE, HERE.parent / "README.md", report.published_services(HERE, results),
+                        report.published_machines(HERE, results))
 
 
-def write_report(results: dict, dest: Path, readme: Path | None, services: list[dict] = ()) -> int:
+def write_report(results: dict, dest: Path, readme: Path | None, services: list[dict] = (),
+                 machines: list[dict] = ()) -> int:
     from . import report
 
-    path = report.write(results, dest, services)
+    path = report.write(results, dest, services, machines)
     print(f"report: {path}")
     if readme is not None:
         report.update_readme(readme, results, services)
@@ -114,19 +131,23 @@ def run_suite(args) -> dict:
         cfg["reps"] = cfg["engine_reps"] = args.reps
     started = time.time()
     load = {"start": os.getloadavg()}
-    t0 = time.perf_counter()
-    model = kvstore.load_model(args.model, dtype="bfloat16")
-    kv_load_s = time.perf_counter() - t0
+    models, load_s = load_kvstore(args.model, args.weights)
+    model = models["kvstore"]  # the phases after the engine's run on it
     hf, llama, peers_note = load_peers(model, args)
     from . import store as kv
 
-    settings = cfg | {"threads": args.threads, "dtype": "bfloat16", "kv_bytes_per_token": kv.kv_bytes(model, 1)}
+    settings = cfg | {"threads": args.threads, "dtype": "bfloat16", "weights": model.weights,
+                      "kv_bytes_per_token": kv.kv_bytes(model, 1)}
     results = {"quick": args.quick, "settings": settings,
                "machine": machine(), "versions": versions(), "peers": peers_note, "load": load}
+    if llama is not None:
+        results["llama_repack"] = llama.repack
     with tempfile.TemporaryDirectory(prefix="kvstore-bench-") as tmp:
         store = kvstore.open_store(Path(tmp) / "home")
         phases = [
-            ("engine", lambda: engine_phase(model, kv_load_s, hf, llama, cfg)),
+            ("engine", lambda: engine_phase(models, load_s, hf, llama, cfg)),
+            ("quality", lambda: _quality(models, llama, hf is not None, cfg)),
+            ("batching", lambda: _batching(model, args)),
             ("ttft", lambda: _ttft(store, model, cfg)),
             ("save_restore", lambda: _save_restore(store, model, hf, llama, cfg, Path(tmp))),
             ("checkpoint", lambda: _checkpoint(store, model, cfg)),
@@ -138,7 +159,9 @@ def run_suite(args) -> dict:
             load[name] = os.getloadavg()
             log(f"{name} (load {load[name][0]:.2f}):")
             t = time.perf_counter()
-            results[name] = phase()
+            out = phase()
+            if out is not None:  # None: the phase does not exist in this checkout
+                results[name] = out
             log(f"  ... {time.perf_counter() - t:.0f} s")
         store.close()
     load["end"] = os.getloadavg()
@@ -146,6 +169,23 @@ def run_suite(args) -> dict:
     results["duration_s"] = time.time() - started
     log(f"suite: {results['duration_s']:.0f} s")
     return results
+
+
+def load_kvstore(spec: str, weights: str | None) -> tuple[dict, dict]:
+    """({"kvstore": the model as `weights` says (None: the library's default), "kvstore bf16": its
+    weights dequantized to bfloat16, unless the first is that already}, {name: load seconds})."""
+    import kvstore
+
+    from .engine import OURS, OURS_DENSE
+
+    models, load_s = {}, {}
+    for name, how in ((OURS, weights), (OURS_DENSE, "dense")):
+        t0 = time.perf_counter()
+        models[name] = kvstore.load_model(spec, dtype="bfloat16", weights=how)
+        load_s[name] = time.perf_counter() - t0
+        if models[name].weights == "dense":
+            break
+    return models, load_s
 
 
 def load_peers(model, args) -> tuple:
@@ -167,37 +207,42 @@ def load_peers(model, args) -> tuple:
     return hf, llama, note
 
 
-def engine_phase(model, kv_load_s: float, hf, llama, cfg: dict) -> dict:
-    """Decode and prefill speed, kvstore vs each peer, through benchmarks.engine's A B B A loop."""
+def engine_phase(models: dict, load_s: dict, hf, llama, cfg: dict) -> dict:
+    """Decode (per context) and prefill speed, kvstore both ways vs each peer, with the read
+    bandwidth beside them, through benchmarks.engine's alternating loop."""
     from kvstore.engine.sequence import DEFAULT_CHUNK
 
     from . import engine
 
-    engines = {"kvstore": engine.Ours(model, DEFAULT_CHUNK, kv_load_s)}
+    engines = {name: engine.Ours(m, DEFAULT_CHUNK, load_s[name]) for name, m in models.items()}
     if hf is not None:
         engines["hf"] = hf
     if llama is not None:
         engines["llama.cpp"] = llama
-    if "engine_prompt" in cfg:  # quick: shorter prompts than the engine benchmark's own
-        engine.DECODE_PROMPT, engine.PREFILL_LEN = cfg["engine_prompt"], cfg["engine_prefill"]
-    rng = random.Random(0)
-    prompt = [rng.randrange(100, model.config.vocab_size) for _ in range(max(engine.DECODE_PROMPT, engine.PREFILL_LEN))]
-    raw, tokens, busy = engine.measure(engines, prompt, cfg["engine_reps"], cfg["max_wait"])
-    out = {"decode_prompt": engine.DECODE_PROMPT, "decode_new": engine.DECODE_NEW, "prefill_tokens": engine.PREFILL_LEN,
-           "chunk": DEFAULT_CHUNK, "others_busy_cpus": [round(b, 2) for b in busy], "raw": raw,
-           "engines": {n: engine.summarize(r) | {"load_s": engines[n].load_s} for n, r in raw.items()},
-           "ratios": {}, "greedy_equal_prefix": {}}
-    ours = raw["kvstore"]
-    for peer in [n for n in raw if n != "kvstore"]:
-        theirs = raw[peer]
-        out["ratios"][peer] = engine.summarize({
-            "decode": [a / b for a, b in zip(ours["decode_tok_s"], theirs["decode_tok_s"])],
-            "decode_steady": [a / b for a, b in zip(ours["decode_steady_tok_s"], theirs["decode_steady_tok_s"])],
-            "prefill": [b / a for a, b in zip(ours["prefill_s"], theirs["prefill_s"])],
-            "prefill_one_chunk": [b / a for a, b in zip(ours["prefill_one_chunk_s"], theirs["prefill_s"])]})
-        out["greedy_equal_prefix"][peer] = next(
-            (i for i, (a, b) in enumerate(zip(tokens["kvstore"], tokens[peer])) if a != b), len(tokens["kvstore"]))
-    return out
+    return engine.phase(engines, models[engine.OURS], cfg, log=log)
+
+
+def _quality(models: dict, llama, with_hf: bool, cfg: dict) -> dict:
+    """Perplexity per engine (benchmarks.quality), HF in float32 loaded for it (and let go after)."""
+    import torch
+
+    from . import quality
+    from .engine import HF
+
+    model = models["kvstore"]
+    hf32 = HF(Path(model.source), torch.float32).model if with_hf else None
+    ids = quality.text_ids(model.tokenizer, cfg["quality"]["tokens"])
+    return quality.run(models, ids, cfg["quality"]["window"] or model.config.max_context, llama, hf32, log=log)
+
+
+def _batching(model, args) -> dict | None:
+    """benchmarks/batching.py's phase, where this checkout has it (see the module's docstring)."""
+    from .report import batching_module
+
+    batching = batching_module()
+    if batching is None:
+        return None
+    return batching.run(model, quick=args.quick, threads=args.threads, log=log)
 
 
 def _ttft(store, model, cfg: dict) -> dict:
@@ -258,7 +303,17 @@ def machine() -> dict:
     return {"cpu": field(cpuinfo, "model name", ":") or platform.processor() or platform.machine(),
             "cores": os.cpu_count(), "ram_bytes": int(ram.split()[0]) * 1024 if ram else 0,
             "os": f"{os_name}, kernel {platform.release()}" if os_name else platform.platform(terse=True),
-            "arch": platform.machine(), "flags": cpu_flags(cpuinfo)}
+            "arch": platform.machine(), "flags": cpu_flags(cpuinfo), "kernels": kernel_paths()}
+
+
+def kernel_paths() -> dict[str, str]:
+    """Which kernels this process picked for each op (kvstore.engine.native's own words)."""
+    from kvstore.engine import native
+
+    return {"bfloat16 products, norms, SwiGLU, rotary": native.status(),
+            "block-quantized products": native.quant_status(),
+            "attention": "native AVX512 attention" if native.attention() is not None else
+            "torch's scaled_dot_product_attention"}
 
 
 def cpu_flags(cpuinfo: list[str]) -> list[str]:

@@ -9,7 +9,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-COLORS = {"kvstore": "#1f77b4", "hf": "#ff7f0e", "llama.cpp": "#2ca02c"}
+COLORS = {"kvstore": "#1f77b4", "kvstore bf16": "#9ecae1", "hf": "#ff7f0e", "llama.cpp": "#2ca02c"}
 
 
 def med(s: dict, scale: float = 1.0) -> float:
@@ -48,18 +48,29 @@ def ttft(r: dict, path: Path) -> None:
 
 
 def engine(r: dict, path: Path) -> None:
+    """Decode tok/s per context (grouped bars, each engine's bandwidth limit as a tick over its bar)
+    and prefill tok/s."""
     e = r["engine"]
-    names = list(e["engines"])
+    names, ctx = list(e["engines"]), [str(n) for n in e["contexts"]]
     n = e["prefill_tokens"]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(8, 3.6))
-    colors = [COLORS.get(x, "gray") for x in names]
-    dec = [x["decode_tok_s"] for x in e["engines"].values()]
-    a.bar(names, [med(s) for s in dec], yerr=err(dec), capsize=4, color=colors)
-    a.set(ylabel="tokens / s", title=f"Decode ({e['decode_new']} tokens)")
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8), gridspec_kw={"width_ratios": [2, 1]})
+    width = 0.8 / len(names)
+    for i, name in enumerate(names):
+        x = [j + (i - (len(names) - 1) / 2) * width for j in range(len(ctx))]
+        dec = [e["engines"][name]["decode"][c]["tok_s"] for c in ctx]
+        a.bar(x, [med(s) for s in dec], width, yerr=err(dec), capsize=3, color=COLORS.get(name, "gray"), label=name)
+        limits = [e["engines"][name]["decode"][c].get("limit_tok_s") for c in ctx]
+        if all(v is not None for v in limits):
+            a.scatter(x, limits, marker="_", s=200, color="black", zorder=3,
+                      label="bandwidth limit" if i == 0 else None)
+    a.set_xticks(range(len(ctx)), [f"{int(c):,}" for c in ctx])
+    a.set(xlabel="tokens of context", ylabel="tokens / s", title=f"Decode ({e['decode_new']} tokens)")
+    a.legend(fontsize=7)
     pre = [x["prefill_s"] for x in e["engines"].values()]
     rates = [{"median": n / s["median"], "min": n / s["max"], "max": n / s["min"]} for s in pre]
-    b.bar(names, [med(s) for s in rates], yerr=err(rates), capsize=4, color=colors)
+    b.bar(names, [med(s) for s in rates], yerr=err(rates), capsize=4, color=[COLORS.get(x, "gray") for x in names])
     b.set(ylabel="tokens / s", title=f"Prefill ({n:,} tokens)")
+    b.tick_params(axis="x", labelsize=7, rotation=20)
     for ax in (a, b):
         ax.grid(True, axis="y", alpha=0.3)
     save(fig, path)

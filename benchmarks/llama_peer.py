@@ -1,11 +1,14 @@
 """llama.cpp, through llama-cpp-python (the optional `llama` extra), as a peer: engine speed and
 its per-sequence state files (`llama_state_seq_save_file` / `llama_state_seq_load_file`).
 
-It runs the GGUF as it is (Q4_1 weights, f16 KV cache) on the same threads. Two things this needs:
-- on CPUs with AMX, llama.cpp's repacked ("extra buffer type") matmul path crashed at the first
-  decode when this was written, so the model is loaded with `use_extra_bufts=False`;
+It runs the GGUF as it is (Q4_1 weights, f16 KV cache) on the same threads, with llama.cpp's own
+defaults, its CPU weight repacking ("extra buffer types") included, except where that crashed:
+- on CPUs with AMX, the repacked matmul path crashed at the first decode when this was written, so
+  there the model is loaded with `use_extra_bufts=False` and `LlamaCpp.repack` says so (the report
+  prints it beside llama.cpp's figures); `benchmarks.llama_server` does the same for the server;
 - with `verbose=False`, llama-cpp-python drops llama.cpp's own error messages, so a log callback
   keeps them, and a failed load says why.
+`LlamaCpp.logits(ids)` gives the logits of every position (for `benchmarks.quality`), batch by batch.
 When the package is absent, `status()` says so and the suite reports llama.cpp as not measured.
 """
 
@@ -16,10 +19,16 @@ import ctypes
 import os
 import time
 from pathlib import Path
+from typing import Iterator
+
+from .llama_server import has_amx, without_extra_bufts
 
 _LOG: collections.deque[tuple[int, str]] = collections.deque(maxlen=200)  # (ggml log level, text)
 WARN, ERROR, CONT = 2, 3, 5
 _CALLBACK = None  # a reference keeps the C callback alive
+REPACK_ON = "on (llama.cpp's default)"
+REPACK_OFF_AMX = ("off (`use_extra_bufts=False`): on this CPU with AMX, llama.cpp's repacked matmul path crashed "
+                  "at the first decode")
 
 
 class LlamaUnavailable(Exception):
@@ -71,14 +80,10 @@ class LlamaCpp:
         _install_log()
         _LOG.clear()
         defaults = lib.llama_model_default_params
-
-        def params():
-            p = defaults()
-            if hasattr(p, "use_extra_bufts"):
-                p.use_extra_bufts = False  # AMX repacking crashed at the first decode on this machine kind
-            return p
-
-        lib.llama_model_default_params = params
+        self.repack = REPACK_ON
+        if has_amx():  # repacking crashed at the first decode on this machine kind
+            without_extra_bufts()
+            self.repack = REPACK_OFF_AMX
         start = time.perf_counter()
         try:
             self.llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=n_ctx, n_batch=512, n_threads=threads,
@@ -91,6 +96,8 @@ class LlamaCpp:
         self.load_s = time.perf_counter() - start
         self.lib = lib
         self.ids: list[int] = []
+        self.weight_bytes = self.llm._model.size()  # llama.cpp's own count of its tensors' bytes
+        self.about = f"the GGUF's blocks as stored, f16 KV cache; CPU weight repacking {self.repack}"
 
     # -- engine speed (the interface of benchmarks.engine.measure) -------------------------------
     def decode(self, prompt: list[int], n_new: int) -> tuple[list[float], list[int]]:
@@ -109,6 +116,21 @@ class LlamaCpp:
         start = time.perf_counter()
         self.llm.eval(prompt)
         return time.perf_counter() - start
+
+    def logits(self, ids: list[int]) -> Iterator:
+        """float32 logits `[k, vocab]` (numpy) of every position of `ids`, fed from position 0 in
+        llama.cpp's batches (n_batch) into an emptied cache, batch by batch."""
+        import numpy as np
+
+        ctx, batch, vocab = self.llm._ctx, self.llm._batch, self.llm.n_vocab()
+        self.llm.reset()
+        ctx.kv_cache_clear()
+        for start in range(0, len(ids), self.llm.n_batch):
+            part = ids[start:start + self.llm.n_batch]
+            batch.set_batch(batch=part, n_past=start, logits_all=True)
+            ctx.decode(batch)
+            yield np.ctypeslib.as_array(ctx.get_logits(), shape=(len(part), vocab)).copy()
+        ctx.kv_cache_clear()
 
     # -- state files (the interface of benchmarks.store.save_restore) ----------------------------
     def prepare(self, ids: list[int]) -> None:

@@ -5,6 +5,13 @@
 Every figure is a median with its spread (min–max over the repetitions); the targets table marks
 each goal met or not met, and says "not measured" where a run had no figure for it, also when a
 target is a peer's figure and the peer did not run (no figure from an earlier run stands in).
+
+Machine kinds: each full run is kept as benchmarks/results/<cpu_slug>.json, and the report's
+"Machine kinds" table puts the headline figures of every such file side by side, a column per kind,
+"—" where a file has no such figure (an older run), so a regression on one kind cannot hide behind
+another. `upgrade` reads the results of older runs (one decode context, no bandwidth) in the
+current shape. A batching phase's results (`results["batching"]`) are rendered by
+benchmarks/batching.py's `section(batching)` where that module exists.
 """
 
 from __future__ import annotations
@@ -43,28 +50,38 @@ def targets(r: dict) -> list[dict]:
         rows.append({"goal": goal, "figure": text if value is not None else "not measured",
                      "target": target, "met": None if value is None else bool(ok(value))})
 
-    hf = r.get("engine", {}).get("ratios", {}).get("hf")
-    add("decode speed vs HF transformers `generate`", hf and hf["decode"]["median"],
-        hf and f"{span(hf['decode'], fmt='.2f', unit='×')}", "≥ 2×", lambda v: v >= 2)
+    r = upgrade(r)
+    e = r.get("engine", {})
+    ratios, engines = e.get("ratios", {}), e.get("engines", {})
+    for n in e.get("contexts", []):
+        q = ratios.get("llama.cpp", {}).get("decode", {}).get(str(n))
+        add(f"decode vs llama.cpp at {label(n)} tokens of context", q and q["median"],
+            q and span(q, fmt=".2f", unit="×"), "≥ 1.0×", lambda v: v >= 1.0)
+    for n in e.get("contexts", []):
+        d = engines.get("kvstore", {}).get("decode", {}).get(str(n), {})
+        pct = d.get("limit_pct")
+        add(f"decode at {label(n)} tokens of context: share of the memory-bandwidth limit", pct,
+            pct is not None and f"{pct:.0f} % ({d['tok_s']['median']:.1f} of {d['limit_tok_s']:.1f} tok/s)", "≥ 70 %",
+            lambda v: v >= 70)
+    first = e.get("contexts", [None])[0]
+    hf = ratios.get("hf")
+    dec = hf and hf["decode"].get(str(first))
+    add(f"decode vs HF transformers `generate` at {label(first or 0)} tokens of context", dec and dec["median"],
+        dec and span(dec, fmt=".2f", unit="×"), "≥ 2×", lambda v: v >= 2)
+    n_pre = label(e.get("prefill_tokens", 2048))
     one = hf and hf.get("prefill_one_chunk")
-    add("prefill speed, 2,048 tokens in one forward (as HF runs it) vs HF transformers", one and one["median"],
+    add(f"prefill speed, {n_pre} tokens in one forward (as HF runs it) vs HF transformers", one and one["median"],
         one and f"{span(one, fmt='.2f', unit='×')}", "≥ 1×", lambda v: v >= 1)
-    add("prefill speed, 2,048 tokens in kvstore's default chunks of 512 vs HF transformers",
-        hf and hf["prefill"]["median"], hf and f"{span(hf['prefill'], fmt='.2f', unit='×')}", "≥ 1×", lambda v: v >= 1)
-    for n, goal in (("2048", 40), ("8191", 80)):
+    for peer, goal in (("hf", 1.5), ("llama.cpp", 2.0)):
+        q = ratios.get(peer, {}).get("prefill")
+        add(f"prefill speed, {n_pre} tokens in kvstore's default chunks vs {PEER_NAMES[peer]}", q and q["median"],
+            q and span(q, fmt=".2f", unit="×"), f"≥ {goal}×", lambda v, g=goal: v >= g)
+    for n, goal in (("2048", 60), ("8191", 80)):
         t = r.get("ttft", {}).get(n)
         add(f"resume vs recompute, time to first token at {label(n)} tokens", t and t["speedup"],
             t and f"{t['speedup']:.0f}× ({t['speedups']['min']:.0f}–{t['speedups']['max']:.0f})", f"≥ {goal}×",
             lambda v, g=goal: v >= g)
-    ours = r.get("save_restore", {}).get("2048", {}).get(KVSTORE[0])
-    theirs = r.get("save_restore", {}).get("2048", {}).get("llama.cpp state file (seq save / load)")
-    goal = "restore of a 2,048-token session (warm: page cache, reused memory)"
-    if theirs is None:  # the target is the peer's figure: without the peer there is nothing to judge against
-        add(goal, None, "", "≤ llama.cpp's (not run here)", lambda v: False)
-    else:
-        limit = theirs["restore_s"]["median"] * 1e3
-        add(goal, ours and ours["restore_s"]["median"] * 1e3, ours and span(ours["restore_s"], 1e3, unit=" ms"),
-            f"≤ {limit:.1f} ms (llama.cpp's, measured in this run)", lambda v: v <= limit)
+    restore_targets(r.get("save_restore", {}).get("2048", {}), add)
     ck = r.get("checkpoint", {}).get("every", {}).get("16")
     add("decode overhead of a checkpoint every 16 tokens: time inside the checkpoints",
         ck and ck.get("overhead_pct_timed", {}).get("median"),
@@ -78,8 +95,48 @@ def targets(r: dict) -> list[dict]:
     unpack = pk and pk["bytes"]["median"] / pk["ratio"]["median"] / pk["restore_s"]["median"] / 1e9
     add("unpack: raw bytes / time to open a packed 2,048-token session (warm)", unpack,
         unpack and f"{unpack:.2f} GB/s", "≥ 1 GB/s", lambda v: v >= 1)
+    quality_targets(r.get("quality"), add)
+    if "batching" in r and (module := batching_module()) is not None and hasattr(module, "targets"):
+        module.targets(r["batching"], add)  # its goals, through the same `add(goal, value, text, target, ok)`
     scale_targets(r.get("scale"), add)
     return rows
+
+
+PEER_NAMES = {"hf": "HF transformers", "llama.cpp": "llama.cpp", "kvstore bf16": "kvstore on bfloat16 weights"}
+LLAMA_STATE, HF_SAFETENSORS = "llama.cpp state file (seq save / load)", "HF DynamicCache, safetensors"
+
+
+def restore_targets(methods: dict, add) -> None:
+    """kvstore's restore of a 2,048-token session against the peers' loads of the same cache; a target
+    that is a peer's figure is not judged where the peer did not run."""
+    ours = methods.get(KVSTORE[0])
+    for key, kind, peer, name in (("restore_s", "warm: page cache, reused memory", LLAMA_STATE, "llama.cpp's"),
+                                  ("restore_s", "warm, checksums verified", HF_SAFETENSORS,
+                                   "HF safetensors' load, which verifies nothing"),
+                                  ("restore_cold_s", "cold: files out of the page cache", LLAMA_STATE, "llama.cpp's")):
+        goal = f"restore of a 2,048-token session ({kind})"
+        theirs = methods.get(peer)
+        if theirs is None:  # without the peer there is nothing to judge against
+            add(goal, None, "", f"≤ {name} (not run here)", lambda v: False)
+            continue
+        limit = theirs[key]["median"] * 1e3
+        add(goal, ours and ours[key]["median"] * 1e3, ours and span(ours[key], 1e3, unit=" ms"),
+            f"≤ {limit:.1f} ms ({name}, measured in this run)", lambda v, lim=limit: v <= lim)
+
+
+def quality_targets(q: dict | None, add) -> None:
+    """kvstore's perplexity within TARGETS % of each peer's (benchmarks/quality.py)."""
+    from .quality import TARGETS
+
+    for peer, pct in TARGETS.items():
+        vs = (q or {}).get("vs", {}).get(peer)
+        figure = vs is not None and (f"{vs:+.2f} % ({q['engines']['kvstore']['ppl']:.3f} vs "
+                                     f"{q['engines'][peer]['ppl']:.3f})")
+        add(f"perplexity: kvstore within {pct:g} % of {QUALITY_NAMES[peer]}", vs, figure, f"≤ {pct:g} %",
+            lambda v, p=pct: abs(v) <= p)
+
+
+QUALITY_NAMES = {"llama.cpp": "llama.cpp's (same GGUF)", "hf f32": "HF float32's (dequantized weights)"}
 
 
 def scale_targets(sc: dict | None, add) -> None:
@@ -124,28 +181,47 @@ def cpu_features(m: dict) -> str:
     return f", with {', '.join(shown)}" if shown else ""
 
 
-CPU_FLAGS = {"avx2": "AVX2", "avx512_bf16": "AVX512-BF16", "avx512_vnni": "AVX512-VNNI", "avx_vnni": "AVX-VNNI",
-             "amx_bf16": "AMX-BF16", "amx_int8": "AMX-INT8"}
+CPU_FLAGS = {"avx2": "AVX2", "avx512f": "AVX512F", "avx512_bf16": "AVX512-BF16", "avx512_vnni": "AVX512-VNNI",
+             "avx_vnni": "AVX-VNNI", "amx_bf16": "AMX-BF16", "amx_int8": "AMX-INT8"}
+
+
+def instruction_sets(m: dict) -> str:
+    """"AVX2, AVX512F; not: AVX512-BF16, ..." over CPU_FLAGS (those that choose kernels)."""
+    flags = m.get("flags") or []
+    have = [name for flag, name in CPU_FLAGS.items() if flag in flags]
+    lack = [name for flag, name in CPU_FLAGS.items() if flag not in flags]
+    return ", ".join(have or ["none of them"]) + (f"; not: {', '.join(lack)}" if lack else "")
 
 
 def header(r: dict) -> list[str]:
     m, v, s = r["machine"], r["versions"], r["settings"]
     load = r["load"]
     phases = ", ".join(f"{k} {v[0]:.2f}" for k, v in load.items())
-    return [
+    kernels = m.get("kernels", {})
+    lines = [
         "# Benchmark report", "",
         f"Generated by `python -m benchmarks run{' --quick' if r['quick'] else ''}` on {r['started']} "
-        f"({r['duration_s'] / 60:.1f} min). SmolLM2-135M-Instruct (the Q4_1 GGUF) in {s['dtype']} on "
-        f"{s['threads']} threads; kvstore and its peers measured alternately (A B A B) in one process, "
+        f"({r['duration_s'] / 60:.1f} min). SmolLM2-135M-Instruct (the Q4_1 GGUF) on {s['threads']} threads; "
+        f"kvstore {WEIGHTS.get(s.get('weights', 'dense'), s.get('weights'))}, {s['dtype']} activations and KV; "
+        "kvstore and its peers measured alternately (A B A B) in one process, "
         "each figure the median of the repetitions with the spread (min–max) in brackets.", "",
         "## Summary", "", summary_table(r), "",
         "## Machine and versions", "",
         f"- CPU: {m['cpu']} ({m['arch']}), {m['cores']} cores{cpu_features(m)}; "
         f"RAM {gib(m['ram_bytes'])}; {m['os']}",
+        f"- Instruction sets that choose kernels: {instruction_sets(m)} (machine kind `{cpu_slug(r)}`)"]
+    lines += [f"- kvstore's kernels here, {op}: {how}" for op, how in kernels.items()]
+    if "llama_repack" in r:
+        lines.append(f"- llama.cpp's CPU weight repacking: {r['llama_repack']}")
+    return lines + [
         f"- Python {v['python']}, torch {v['torch']}, transformers {v['transformers'] or 'not installed'}, "
         f"llama-cpp-python {v['llama-cpp-python'] or 'not installed'}, kvstore commit {v['kvstore']}",
         f"- Load average (1 min) when each phase started: {phases}. The machine has "
         f"{m['cores']} cores; other work on it shows up as spread.", ""]
+
+
+WEIGHTS = {"stored": "on the GGUF's blocks as stored", "dense": "on weights dequantized to bfloat16",
+           "q8_0": "on weights quantized to Q8_0"}
 
 
 def ttft_section(r: dict) -> list[str]:
@@ -166,40 +242,219 @@ def ttft_section(r: dict) -> list[str]:
     return lines + ["", "![time to first token](plots/ttft.png)", ""]
 
 
+# -- the engine phase ----------------------------------------------------------------------------
+def upgrade(r: dict) -> dict:
+    """Results of an older run in the current shape (a copy; current results come back as they are):
+    its one decode prompt becomes its one context, its kvstore ran on bfloat16 weights, and it
+    measured no bandwidth (so no limits)."""
+    e = r.get("engine")
+    if not e or "contexts" in e:
+        return r
+    n = str(e["decode_prompt"])
+    engines = {}
+    for name, x in e["engines"].items():
+        engines[name] = {"about": None, "weights": "dense" if name == "kvstore" else None, "load_s": x["load_s"],
+                         "decode": {n: {"tok_s": x["decode_tok_s"], "steady_tok_s": x["decode_steady_tok_s"]}},
+                         **{k: v for k, v in x.items() if k.startswith("prefill")}}
+    ratios = {peer: {"decode": {n: q["decode"]}, **{k: v for k, v in q.items() if k.startswith("prefill")}}
+              for peer, q in e["ratios"].items()}
+    new = {"contexts": [int(n)], "decode_new": e["decode_new"], "prefill_tokens": e["prefill_tokens"],
+           "chunk": e["chunk"], "others_busy_cpus": e["others_busy_cpus"], "engines": engines, "ratios": ratios,
+           "greedy_equal_prefix": e["greedy_equal_prefix"]}
+    return r | {"engine": new, "settings": {"weights": "dense"} | r["settings"]}
+
+
+def context_label(n: int | str) -> str:
+    """"1k", "2k", "8k" (8,160 tokens: the 8,192 context less the tokens decoded), or the count below 1k."""
+    n = int(n)
+    return f"{round(n / 1024)}k" if n >= 1000 else f"{n:,}"
+
+
+def gb_s(bytes_per_s: float) -> str:
+    return f"{bytes_per_s / 1e9:.1f} GB/s"
+
+
+def engine_tables(e: dict) -> list[str]:
+    """The engine phase's tables: decode per context (with each rate's share of its bandwidth limit),
+    prefill and load, then kvstore ÷ each other engine."""
+    ctx = [str(n) for n in e["contexts"]]
+    bw = e.get("bandwidth")
+    head = "| engine | " + " | ".join(f"decode tok/s at {label(n)}" + (" (% of limit)" if bw else "") for n in ctx)
+    lines = [head + " | prefill tok/s | load s |", "|---|" + "---:|" * (len(ctx) + 2)]
+    n_pre = e["prefill_tokens"]
+
+    def rate(p: dict) -> str:
+        return f"{n_pre / p['median']:.0f} ({n_pre / p['max']:.0f}–{n_pre / p['min']:.0f})"
+
+    for name, x in e["engines"].items():
+        cells = []
+        for n in ctx:
+            d = x["decode"][n]
+            cells.append(span(d["tok_s"]) + (f" · {d['limit_pct']:.0f} %" if "limit_pct" in d else ""))
+        lines.append(f"| {name} | {' | '.join(cells)} | {rate(x['prefill_s'])} | {x['load_s']:.1f} |")
+        if "prefill_one_chunk_s" in x:
+            lines.append(f"| {name}, prefill in one chunk |{' |' * len(ctx)} {rate(x['prefill_one_chunk_s'])} | |")
+    for peer, q in e["ratios"].items():
+        cells = " | ".join(f"**{span(q['decode'][n], fmt='.2f', unit='×')}**" for n in ctx)
+        lines.append(f"| **kvstore ÷ {peer}** | {cells} | **{span(q['prefill'], fmt='.2f', unit='×')}** | |")
+        if "prefill_one_chunk" in q:
+            lines.append(f"| **kvstore in one chunk ÷ {peer}** |{' |' * len(ctx)} "
+                         f"**{span(q['prefill_one_chunk'], fmt='.2f', unit='×')}** | |")
+    if bw:
+        lines += ["", "| engine | weights read per token | " + " | ".join(
+            f"limit at {label(n)}, tok/s" for n in ctx) + " | how it holds the model |", "|---|---:|" + "---:|" * len(ctx) + "---|"]
+        for name, x in e["engines"].items():
+            lines.append(f"| {name} | {mb(x['weight_bytes'])} | "
+                         + " | ".join(f"{x['decode'][n]['limit_tok_s']:.1f}" for n in ctx) + f" | {x['about']} |")
+    return lines
+
+
 def engine_section(r: dict) -> list[str]:
     e = r["engine"]
+    bw = e.get("bandwidth")
     lines = ["## Engine speed: decode and prefill", "",
-             f"Decode: greedy, {e['decode_new']} new tokens after a {label(e['decode_prompt'])}-token prompt, "
-             "tok/s from the first new token to the last (\"steady\": 1 / the median gap between tokens). "
+             f"Decode: greedy, {e['decode_new']} new tokens after a prompt of each length (the context), tok/s "
+             "from the first new token to the last. "
              f"Prefill: {label(e['prefill_tokens'])} tokens in one call that yields the next token's logits "
-             f"(kvstore: chunks of {e['chunk']}, and the same tokens in one chunk). "
-             "kvstore and HF transformers run the same bf16 weights "
-             "(dequantized from the GGUF); llama.cpp runs the GGUF's own Q4_1 weights with an f16 KV cache.", "",
-             "| engine | decode tok/s | decode tok/s, steady | prefill tok/s | prefill s | load s |",
-             "|---|---:|---:|---:|---:|---:|"]
-    n = e["prefill_tokens"]
-    for name, x in e["engines"].items():
-        p = x["prefill_s"]
-        lines.append(f"| {name} | {span(x['decode_tok_s'])} | {span(x['decode_steady_tok_s'])} | "
-                     f"{n / p['median']:.0f} ({n / p['max']:.0f}–{n / p['min']:.0f}) | {span(p, fmt='.3f')} | "
-                     f"{x['load_s']:.1f} |")
-        if "prefill_one_chunk_s" in x:
-            p = x["prefill_one_chunk_s"]
-            lines.append(f"| {name}, prefill in one chunk | | | {n / p['median']:.0f} ({n / p['max']:.0f}–"
-                         f"{n / p['min']:.0f}) | {span(p, fmt='.3f')} | |")
-    for peer, q in e["ratios"].items():
-        lines.append(f"| **kvstore ÷ {peer}** | **{span(q['decode'], fmt='.2f', unit='×')}** | "
-                     f"{span(q['decode_steady'], fmt='.2f', unit='×')} | **{span(q['prefill'], fmt='.2f', unit='×')}** | | |")
-        if "prefill_one_chunk" in q:
-            lines.append(f"| **kvstore in one chunk ÷ {peer}** | | | **{span(q['prefill_one_chunk'], fmt='.2f', unit='×')}** | | |")
+             f"(kvstore: chunks of {e['chunk']}, and the same tokens in one chunk; llama.cpp: its batches of 512). "
+             "`kvstore` is the model as kvstore loads it by default, `kvstore bf16` the same with its weights "
+             "dequantized to bfloat16 (as HF transformers runs them); llama.cpp runs the GGUF's own blocks with an "
+             "f16 KV cache."
+             + (f" llama.cpp's CPU weight repacking: {r['llama_repack']}." if "llama_repack" in r else ""), ""]
+    if bw:
+        lines += [f"Memory bandwidth, measured beside the engines (once per repetition, same threads): a read of "
+                  f"{mb(bw['bytes'])} ({bw['method']}) at **{span(bw['read_bytes_per_s'], 1e-9, unit=' GB/s')}**. "
+                  "A decode step reads every weight once and the whole KV cache once, so each engine's limit at a "
+                  f"context of n tokens is bandwidth / (its weight bytes + {e['kv_bytes_per_token']:,} KV bytes per "
+                  f"token × (n + {e['decode_new']}/2)), and \"% of limit\" is its median rate against that.", ""]
+    lines += engine_tables(e)
     if e["greedy_equal_prefix"]:
         same = ", ".join(f"{p}: {k}" for p, k in e["greedy_equal_prefix"].items())
-        lines += ["", f"Greedy tokens equal to kvstore's for the first k of {e['decode_new']} ({same}); bf16 kernels "
-                      "round differently and llama.cpp's weights are Q4_1, so a divergence is expected."]
+        lines += ["", f"Greedy tokens equal to kvstore's for the first k of {e['decode_new']} at the first context "
+                      f"({same}): the engines round differently (blocks, bfloat16, their own kernels), so a divergence "
+                      "is expected."]
     busy = e["others_busy_cpus"]
     if busy and max(busy) >= 0.1:
         lines += ["", f"Other processes used up to {max(busy):.1f} CPUs just before some engine measurements."]
     return lines + ["", "![engine speed](plots/engine.png)", ""]
+
+
+# -- quality ---------------------------------------------------------------------------------------
+def quality_table(q: dict) -> list[str]:
+    lines = ["| engine | perplexity | kvstore vs it | predictions | seconds | how it runs the model |",
+             "|---|---:|---:|---:|---:|---|"]
+    for name, x in q["engines"].items():
+        vs = q["vs"].get(name)
+        lines.append(f"| {name} | {x['ppl']:.4f} | {'' if vs is None else f'{vs:+.2f} %'} | {x['predictions']:,} | "
+                     f"{x['seconds']:.0f} | {x['about']} |")
+    return lines
+
+
+def quality_section(r: dict) -> list[str]:
+    q = r.get("quality")
+    if not q:
+        return []
+    return ["## Quality: perplexity", "",
+            f"{q['tokens']:,} tokens of {q['text']} (token ids' sha256 {q['ids_sha256']}), in {q['windows']} windows of "
+            f"up to {q['window']:,} tokens, each from an empty cache, the same for every engine: the perplexity of "
+            "each next token (`python -m benchmarks.quality`).", "", *quality_table(q), ""]
+
+
+# -- machine kinds ---------------------------------------------------------------------------------
+def machines_dir(bench: Path) -> Path:
+    """Where each machine kind's latest full run is kept (`cpu_slug(results)`.json)."""
+    return bench / "results"
+
+
+def published_machines(bench: Path, suite: dict) -> list[dict]:
+    """The committed full runs of the other machine kinds (benchmarks/results/*.json), by file name."""
+    import json
+
+    own = cpu_slug(suite)
+    return [json.loads(p.read_text(encoding="utf-8")) for p in sorted(machines_dir(bench).glob("*.json"))
+            if p.stem != own]
+
+
+def headline(r: dict) -> dict[str, str]:
+    """{row: figure} of the figures the machine-kinds table compares (those a run lacks are absent)."""
+    r = upgrade(r)
+    out: dict[str, str] = {}
+    e = r.get("engine", {})
+    engines, ratios = e.get("engines", {}), e.get("ratios", {})
+    ours = engines.get("kvstore", {})
+    out["kvstore's weights"] = WEIGHTS.get(ours.get("weights") or "", "—").removeprefix("on ")
+    bw = e.get("bandwidth")
+    if bw:
+        out["memory read bandwidth"] = gb_s(bw["read_bytes_per_s"]["median"])
+    for n in e.get("contexts", []):
+        k, d = context_label(n), ours.get("decode", {}).get(str(n))
+        llama = engines.get("llama.cpp", {}).get("decode", {}).get(str(n))
+        if d:
+            out[f"decode at {k}: kvstore tok/s"] = f"{d['tok_s']['median']:.1f}"
+            if "limit_pct" in d:
+                out[f"decode at {k}: kvstore, % of the bandwidth limit"] = f"{d['limit_pct']:.0f} %"
+        if llama:
+            out[f"decode at {k}: llama.cpp tok/s"] = f"{llama['tok_s']['median']:.1f}"
+        q = ratios.get("llama.cpp", {}).get("decode", {}).get(str(n))
+        if q:
+            out[f"decode at {k}: kvstore ÷ llama.cpp"] = f"{q['median']:.2f}×"
+    for peer in ("hf", "llama.cpp"):
+        q = ratios.get(peer, {}).get("prefill")
+        if q:
+            out[f"prefill {context_label(e['prefill_tokens'])}: kvstore ÷ {peer}"] = f"{q['median']:.2f}×"
+    t = r.get("ttft", {}).get("2048")
+    if t:
+        out["resume vs recompute at 2k: time to first token"] = f"{t['speedup']:.0f}×"
+    sr = r.get("save_restore", {}).get("2048", {})
+    ours_sr = sr.get(KVSTORE[0])
+    for key, peer, row in (("restore_s", HF_SAFETENSORS, "restore 2k warm, ms: kvstore / HF safetensors"),
+                           ("restore_cold_s", LLAMA_STATE, "restore 2k cold, ms: kvstore / llama.cpp")):
+        if ours_sr and sr.get(peer):
+            out[row] = f"{ours_sr[key]['median'] * 1e3:.1f} / {sr[peer][key]['median'] * 1e3:.1f}"
+    for peer, x in (r.get("quality") or {}).get("vs", {}).items():
+        out[f"perplexity: kvstore vs {peer}"] = f"{x:+.2f} %"
+    if "llama_repack" in r:
+        out["llama.cpp's CPU weight repacking"] = r["llama_repack"].split(" ", 1)[0]
+    return out
+
+
+def machines_section(r: dict, machines: list[dict]) -> list[str]:
+    """One table, a column per machine kind (this run first), a row per headline figure."""
+    runs = [r, *machines]
+    figures = [headline(x) for x in runs]
+    rows = list(dict.fromkeys(row for f in figures for row in f))
+    cols = [f"{x['machine']['cpu']} ({isa_tag(x['machine'])}, {x['started'][:10]}"
+            + (", this run" if i == 0 else "") + ")" for i, x in enumerate(runs)]
+    lines = ["## Machine kinds", "",
+             "The headline figures of this run beside the latest full run of each other machine kind "
+             "(benchmarks/results/<kind>.json), each measured on its own machine with its peers; \"—\": that run "
+             "had no such figure (an older run measured fewer).", "",
+             "| figure | " + " | ".join(cols) + " |", "|---|" + "---:|" * len(cols)]
+    lines += [f"| {row} | " + " | ".join(f.get(row, "—") for f in figures) + " |" for row in rows]
+    return lines + [""]
+
+
+def batching_module():
+    """benchmarks/batching.py where this checkout has it, else None."""
+    import importlib.util
+
+    if importlib.util.find_spec(f"{__package__}.batching") is None:
+        return None
+    from . import batching
+
+    return batching
+
+
+def batching_section(r: dict) -> list[str]:
+    """results["batching"] rendered by benchmarks/batching.py's `section(batching) -> [markdown lines]`
+    (and its goals in the summary by its optional `targets(batching, add)`), where the module exists."""
+    if "batching" not in r:
+        return []
+    module = batching_module()
+    if module is None:
+        return ["## Batching", "", "These results have a batching phase, but this checkout has no "
+                "benchmarks/batching.py to render it.", ""]
+    return list(module.section(r["batching"]))
 
 
 def save_section(r: dict) -> list[str]:
@@ -333,7 +588,7 @@ def published_services(bench: Path, suite: dict) -> list[dict]:
 
     docs = [json.loads(p.read_text(encoding="utf-8")) for p in sorted(services_dir(bench).glob("*.json"))]
     if "serve" in suite:
-        docs = [d for d in docs if d["machine"]["cpu"] != suite["machine"]["cpu"]]
+        docs = [d for d in docs if cpu_slug(d) != cpu_slug(suite)]
     return docs
 
 
@@ -371,14 +626,15 @@ def service_table(sv: dict) -> str:
 
 def service_header(doc: dict, suite_machine: dict | None) -> list[str]:
     sv, m, v = doc["serve"], doc["machine"], doc["versions"]
-    other = suite_machine is not None and suite_machine["cpu"] != m["cpu"]
+    other = suite_machine is not None and cpu_slug({"machine": suite_machine}) != cpu_slug(doc)
     cfg = sv["config"]
     lines = ["## Service", "",
              f"**{m['cpu']}**: measured by `python -m benchmarks.serve{' --quick' if doc['quick'] else ''}` on "
              f"{doc['started']} ({doc['duration_s'] / 60:.1f} min) on {m['cpu']} ({m['arch']}), {m['cores']} cores"
              f"{cpu_features(m)}, each server on {sv['threads']} threads; llama-cpp-python "
              f"{v.get('llama-cpp-python') or 'not installed'}, openai {v.get('openai') or '?'}, kvstore commit "
-             f"{v['kvstore']}." + (f" **Not the machine of the sections above** ({suite_machine['cpu']}): compare "
+             f"{v['kvstore']}." + (f" **Not the machine of the sections above** ({suite_machine['cpu']}, "
+                                   f"{isa_tag(suite_machine)}): compare "
                                    "these figures with each other only." if other else ""), "",
              f"The workload: {cfg['conversations']} conversations, then {cfg['many']} more, each opening with a "
              f"system line of its own and a {sv['doc_chars']:,}-character document (the standard library's "
@@ -468,29 +724,45 @@ def not_measured(r: dict) -> list[str]:
     return ["## Not measured", ""] + [f"- {k}: {why}" for k, why in gone.items()] + [""]
 
 
-def markdown(r: dict, services: list[dict] = ()) -> str:
+def markdown(r: dict, services: list[dict] = (), machines: list[dict] = ()) -> str:
     """The report of a suite run `r`, with a Service section for its own serve phase (if it ran one)
-    and for each of `services` (standalone `python -m benchmarks.serve` results, per CPU)."""
-    parts = header(r) + not_measured(r) + ttft_section(r) + engine_section(r) + save_section(r)
+    and for each of `services` (standalone `python -m benchmarks.serve` results, per CPU), and the
+    machine-kinds table of `r` beside `machines` (other kinds' full runs)."""
+    r = upgrade(r)
+    parts = header(r) + machines_section(r, list(machines)) + not_measured(r) + ttft_section(r) + engine_section(r)
+    parts += quality_section(r) + batching_section(r) + save_section(r)
     parts += checkpoint_section(r) + growth_section(r) + scale_section(r)
     for doc in service_docs(r, services):
         parts += service_section(doc, r["machine"])
     return "\n".join(parts).rstrip() + "\n"
 
 
-def write(r: dict, dest: Path, services: list[dict] = ()) -> Path:
+def write(r: dict, dest: Path, services: list[dict] = (), machines: list[dict] = ()) -> Path:
     from . import charts
 
     dest.mkdir(parents=True, exist_ok=True)
-    charts.draw_all(r, dest / "plots")
+    charts.draw_all(upgrade(r), dest / "plots")
     path = dest / "REPORT.md"
-    path.write_text(markdown(r, services), encoding="utf-8")
+    path.write_text(markdown(r, services, machines), encoding="utf-8")
     return path
 
 
+def isa_tag(m: dict) -> str:
+    """The widest kernel path the CPU's flags allow: "amx", "avx512", "avx2", else the architecture."""
+    flags = set(m.get("flags") or [])
+    for tag, names in (("amx", ("amx_bf16", "amx_int8")), ("avx512", ("avx512f", "avx512_bf16", "avx512_vnni")),
+                       ("avx2", ("avx2",))):
+        if flags & set(names):
+            return tag
+    return m.get("arch", "cpu")
+
+
 def cpu_slug(r: dict) -> str:
-    """A file name for the run's CPU model: `intel-r-xeon-r-processor`, `amd-epyc-9r14`, ..."""
-    return re.sub(r"[^a-z0-9]+", "-", r["machine"]["cpu"].lower()).strip("-") or "unknown-cpu"
+    """A file name for the run's machine kind: the CPU's name and its widest kernel path
+    (`intel-r-xeon-r-processor-amx`, `amd-epyc-avx512`, `amd-epyc-avx2`): one name ("AMD EPYC")
+    covers CPUs of different instruction sets, hence kernels."""
+    name = re.sub(r"[^a-z0-9]+", "-", r["machine"]["cpu"].lower()).strip("-") or "unknown-cpu"
+    return f"{name}-{isa_tag(r['machine'])}"
 
 
 def readme_section(r: dict, services: list[dict] = ()) -> str:
@@ -499,19 +771,24 @@ def readme_section(r: dict, services: list[dict] = ()) -> str:
         if doc["serve"].get("summary"):
             service += [f"`kvstore serve` against llama.cpp's server (`python -m benchmarks.serve` on "
                         f"{doc['started']}, "
-                        f"{doc['serve']['threads']} threads of a {doc['machine']['cores']}-core {doc['machine']['cpu']}"
-                        f"{', not the CPU above' if doc['machine']['cpu'] != r['machine']['cpu'] else ''}): "
+                        f"{doc['serve']['threads']} threads of a {doc['machine']['cores']}-core {doc['machine']['cpu']} "
+                        f"({isa_tag(doc['machine'])})"
+                        f"{', not the CPU above' if cpu_slug(doc) != cpu_slug(r) else ''}): "
                         "TTFT p50, llama.cpp in its best prompt-cache mode for each case "
                         "([Service](benchmarks/REPORT.md#service)).", "", service_table(doc["serve"]), ""]
     return "\n".join([
-        f"Measured by `python -m benchmarks run` on {r['started']}: SmolLM2-135M-Instruct in bf16 on "
-        f"{r['settings']['threads']} threads of a {r['machine']['cores']}-core {r['machine']['cpu']}, "
+        f"Measured by `python -m benchmarks run` on {r['started']}: SmolLM2-135M-Instruct (kvstore "
+        f"{WEIGHTS[upgrade(r)['settings']['weights']]}, bf16 activations) on "
+        f"{r['settings']['threads']} threads of a {r['machine']['cores']}-core {r['machine']['cpu']} "
+        f"({isa_tag(r['machine'])}), "
         "kvstore and its peers (HF transformers, llama.cpp) alternating; median (min–max). "
         "The full report, with every figure, the machine, the versions and the plots: "
         "[benchmarks/REPORT.md](benchmarks/REPORT.md).", "", summary_table(r), "", *service,
         "Run it yourself with `python -m benchmarks run` (full, writes the report) or "
-        "`python -m benchmarks run --quick` (under 3 minutes, into `benchmarks/out/`); the service alone: "
-        "`python -m benchmarks.serve` (`--publish` writes its per-CPU file and rebuilds the report).", ""])
+        "`python -m benchmarks run --quick` (a few minutes, into `benchmarks/out/`); the perplexities alone: "
+        "`python -m benchmarks.quality`; the service alone: "
+        "`python -m benchmarks.serve` (`--publish` writes its per-CPU file and rebuilds the report). The report "
+        "compares every machine kind measured so far ([Machine kinds](benchmarks/REPORT.md#machine-kinds)).", ""])
 
 
 def update_readme(path: Path, r: dict, services: list[dict] = ()) -> None:

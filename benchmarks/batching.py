@@ -3,8 +3,9 @@ prefix cache, measured against a real server over HTTP (and llama.cpp's own `lla
 
     python -m benchmarks.batching [--quick] [--threads 2] [--llama-server PATH | --no-peer] [--out DIR]
 
-It is also a phase of the suite: `run(cfg, threads, model, workdir, ...) -> dict` measures,
-`markdown(results) -> str` is its report section.
+It is also a phase of the suite (`python -m benchmarks run`): `phase(model, quick, threads, log)`
+measures, `section(results)` is its report section and `targets(results, add)` puts its goals in
+the report's summary.
 
 Contract:
 - Servers are benchmarks/serve.py's (`Server`, `Spec`, `kvstore_spec`): subprocesses in process
@@ -697,6 +698,27 @@ def markdown(r: dict) -> str:
                   f"{fk['requests_per_s']:.1f} requests/s in aggregate; TTFT p50 {ms(fk['ttft_s']['p50'])}, p99 "
                   f"{ms(fk['ttft_s']['p99'])}; {fk['evictions']:.0f} evictions; **{fk['failed']} failed requests**.", ""]
     return "\n".join(lines).rstrip() + "\n"
+
+
+# -- as a phase of the suite (benchmarks/__main__.py, benchmarks/report.py) -----------------------------
+def phase(model, quick: bool, threads: int, log=print) -> dict:
+    """The suite's batching phase on the suite's model (its GGUF), in a folder of its own: a full
+    run builds llama-server when none is found."""
+    source = getattr(model, "source", None)
+    spec = str(source) if source and Path(str(source)).suffix == ".gguf" else "smollm2"
+    log(f"  batching: {'quick' if quick else 'full'} workloads on {Path(spec).name}")
+    with tempfile.TemporaryDirectory(prefix="kvstore-batching-") as tmp:
+        return run(dict(QUICK if quick else FULL), threads, spec, Path(tmp), build=not quick)
+
+
+def section(r: dict) -> list[str]:
+    return markdown(r).splitlines() + [""]
+
+
+def targets(r: dict, add) -> None:
+    """Each of `verdicts`' goals through the report's `add(goal, value, text, target, ok)`."""
+    for v in verdicts(r):
+        add(v["goal"], None if v["met"] is None else v["met"], v["figure"], v["target"], lambda met: met)
 
 
 # -- alone ---------------------------------------------------------------------------------------------

@@ -53,6 +53,9 @@ QUICK = {"lengths": [512, 2048], "save_lengths": [2048], "reps": 2, "engine_reps
          "intervals": [1, 4, 16, 64], "forks": 4, "fork_new": 4, "quality": {"tokens": 2048, "window": 512}}
 
 
+PHASES = ("engine", "quality", "batching", "ttft", "save_restore", "checkpoint", "forks", "scale", "serve")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -66,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
                           "its native kernels run); a bfloat16 row is measured beside it unless it is dense")
     run.add_argument("--no-peers", action="store_true", help="kvstore only (no HF transformers, no llama.cpp)")
     run.add_argument("--no-llama", action="store_true", help="leave llama.cpp out even when it is installed")
+    run.add_argument("--skip", default="", metavar="PHASES",
+                     help=f"phases to leave out, comma-separated (of: {', '.join(PHASES)}); the report names them")
     run.add_argument("--out", type=Path, default=OUT, help="where results.json goes (default benchmarks/out)")
     run.add_argument("--dest", type=Path,
                      help="where REPORT.md and plots/ go (default: benchmarks/ for a full run with the peers, else --out)")
@@ -74,6 +79,10 @@ def main(argv: list[str] | None = None) -> int:
     rep.add_argument("--dest", type=Path, default=HERE)
     rep.add_argument("--readme", type=Path, help="also put the summary table into this README's Benchmarks section")
     args = p.parse_args(argv)
+    if args.command == "run":
+        args.skip = [name for name in args.skip.split(",") if name]
+        if unknown := sorted(set(args.skip) - set(PHASES)):
+            p.error(f"--skip: no phase named {', '.join(unknown)} (the phases: {', '.join(PHASES)})")
     from . import report
 
     if args.command == "report":
@@ -136,9 +145,9 @@ def run_suite(args) -> dict:
     hf, llama, peers_note = load_peers(model, args)
     from . import store as kv
 
-    settings = cfg | {"threads": args.threads, "dtype": "bfloat16", "weights": model.weights,
+    settings = cfg | {"reps_given": bool(args.reps), "threads": args.threads, "dtype": "bfloat16", "weights": model.weights,
                       "kv_bytes_per_token": kv.kv_bytes(model, 1)}
-    results = {"quick": args.quick, "settings": settings,
+    results = {"quick": args.quick, "settings": settings, "skipped": list(args.skip),
                "machine": machine(), "versions": versions(), "peers": peers_note, "load": load}
     if llama is not None:
         results["llama_repack"] = llama.repack
@@ -155,7 +164,11 @@ def run_suite(args) -> dict:
             ("scale", lambda: _scale(model, args.quick, Path(tmp))),
             ("serve", lambda: _serve(args, llama is not None, Path(tmp) / "serve")),
         ]
+        assert [name for name, _ in phases] == list(PHASES)
         for name, phase in phases:
+            if name in args.skip:
+                log(f"{name}: left out (--skip)")
+                continue
             load[name] = os.getloadavg()
             log(f"{name} (load {load[name][0]:.2f}):")
             t = time.perf_counter()

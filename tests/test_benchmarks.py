@@ -198,6 +198,19 @@ def test_report_has_every_section_and_no_local_paths():
     assert report.cpu_slug(fake()) == "some-cpu-amx"
 
 
+def test_a_run_that_left_phases_out_says_so_and_an_unknown_phase_is_refused(capsys):
+    r = fake() | {"skipped": ["scale", "serve"]}
+    r["settings"] = r["settings"] | {"reps": 3, "reps_given": True}
+    text = report.markdown(r)
+    assert "`python -m benchmarks run --reps 3 --skip scale,serve`" in text
+    assert "Phases left out of this run (`--skip`): scale, serve." in text
+    from benchmarks.__main__ import main
+
+    with pytest.raises(SystemExit):
+        main(["run", "--skip", "scale,nonsense"])
+    assert "--skip: no phase named nonsense" in capsys.readouterr().err
+
+
 def test_the_limit_is_the_bandwidth_over_the_bytes_a_step_reads():
     # 10 GB/s; 97 MB of weights; 23,040 KV bytes per token at a context of 1,024 + 32/2
     assert bandwidth.limit_tok_s(10e9, 97_000_000, 23040, 1024, 32) == pytest.approx(10e9 / (97e6 + 23040 * 1040))

@@ -255,7 +255,7 @@ def _batching(model, args) -> dict | None:
     batching = batching_module()
     if batching is None:
         return None
-    return batching.phase(model, quick=args.quick, threads=args.threads, log=log)
+    return batching.suite_phase(model, quick=args.quick, threads=args.threads, log=log)
 
 
 def _ttft(store, model, cfg: dict) -> dict:

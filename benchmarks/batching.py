@@ -3,7 +3,7 @@ prefix cache, measured against a real server over HTTP (and llama.cpp's own `lla
 
     python -m benchmarks.batching [--quick] [--threads 2] [--llama-server PATH | --no-peer] [--out DIR]
 
-It is also a phase of the suite (`python -m benchmarks run`): `phase(model, quick, threads, log)`
+It is also a phase of the suite (`python -m benchmarks run`): `suite_phase(model, quick, threads, log)`
 measures, `section(results)` is its report section and `targets(results, add)` puts its goals in
 the report's summary.
 
@@ -701,7 +701,7 @@ def markdown(r: dict) -> str:
 
 
 # -- as a phase of the suite (benchmarks/__main__.py, benchmarks/report.py) -----------------------------
-def phase(model, quick: bool, threads: int, log=print) -> dict:
+def suite_phase(model, quick: bool, threads: int, log=print) -> dict:
     """The suite's batching phase on the suite's model (its GGUF), in a folder of its own: a full
     run builds llama-server when none is found."""
     source = getattr(model, "source", None)

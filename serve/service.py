@@ -166,11 +166,13 @@ class Service:
         else:  # not inside a request (or its second run): log it now
             observer.write(record, self.config.log_format)
 
-    async def drop_session(self, tenant_session: str) -> None:
+    async def drop_session(self, tenant_session: str, *, retain: bool = True) -> None:
         """Once its reply is delivered, keep a session this server made for one request (the stateless
-        ones) as a prefix-cache entry, or delete it when the cache is off (`--prefix-cache 0`)."""
+        ones) as a prefix-cache entry, or delete it when the cache is off (`--prefix-cache 0`) or
+        `retain` is false (an entry keeps the session's name, so a `store: false` response, which must
+        not be found by its id, is deleted)."""
         engine = self.pool.engine_for(tenant_session)
-        budget = self.config.prefix_cache
+        budget = self.config.prefix_cache if retain else 0
         spec = {"kind": "retain", "budget": budget} if budget else {"kind": "delete"}
         try:
             end = await outcome(await self.pool.submit({**spec, "session": tenant_session}, engine))

@@ -7,7 +7,7 @@
   `previous_response_id` the response's session is a fork of that one's and the input is chatted
   on it; with neither, on a new session. A response's session is never written again, so
   continuing from an older response is a fork of an older session. `store: false`: the session is
-  deleted once the reply is delivered (kept when the stream broke, so Last-Event-ID can finish it).
+  deleted once the reply is delivered (not kept as a prefix-cache entry: that would keep its id) (kept when the stream broke, so Last-Event-ID can finish it).
 - `GET` / `DELETE /v1/responses/{id}` and its input items: read from the session at rest (`items.py`).
 
 Streams carry the Responses event types, each with `sequence_number` and an SSE id in the scheme
@@ -185,7 +185,7 @@ async def create_response(body: ResponseRequest, request: Request, who: Tenant =
     async for event in chained(first, events):
         out.take(event)
     if drop is not None:
-        await svc.drop_session(spec["session"])
+        await svc.drop_session(spec["session"], retain=False)
     return JSONResponse(out.whole())
 
 
@@ -361,4 +361,4 @@ class Output:
         for i, (kind, fields) in enumerate(closing):
             yield self.event(kind, seq + i, "end", **fields)
         if drop is not None:
-            await drop.drop_session(self.run.spec["session"])
+            await drop.drop_session(self.run.spec["session"], retain=False)

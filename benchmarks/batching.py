@@ -78,8 +78,8 @@ FULL = {"contexts": [512, 2048], "sessions": [1, 2, 4, 8, 16], "new_tokens": 128
         "prefix_cache": "1GiB", "forks": 600, "fork_doc_tokens": 2048, "fork_new_tokens": 16, "fork_clients": 8,
         "fork_kv_memory": "2GiB", "kv_memory": "2GiB", "bandwidth_mib": 1024}
 QUICK = {"contexts": [128, 256], "sessions": [1, 2, 4], "new_tokens": 16, "reps": 1,
-         "itl_sessions": 2, "itl_context": 128, "itl_new_tokens": 12, "reader_tokens": 600,
-         "chat_conversations": 2, "chat_turns": 3, "chat_doc_tokens": 400, "chat_max_tokens": 6,
+         "itl_sessions": 2, "itl_context": 128, "itl_new_tokens": 32, "reader_tokens": 600,
+         "chat_conversations": 2, "chat_turns": 3, "chat_doc_tokens": 600, "chat_max_tokens": 6,
          "prefix_cache": "64MiB", "forks": 8, "fork_doc_tokens": 256, "fork_new_tokens": 4, "fork_clients": 2,
          "fork_kv_memory": "24MiB", "kv_memory": "128MiB", "bandwidth_mib": 256}
 TARGETS = {"scaling": {"context": 512, "sessions": 8, "times": 4.0}, "of_limit": 0.70, "vs_llama": 1.0,

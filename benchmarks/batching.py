@@ -603,6 +603,13 @@ def verdicts(r: dict) -> list[dict]:
         rows.append({"goal": goal, "figure": text if value is not None else "not measured", "target": target,
                      "met": None if value is None else bool(ok(value))})
 
+    targets(r, add)
+    return rows
+
+
+def targets(r: dict, add) -> None:
+    """The goals of the issue, each through `add(goal, value, text, target, ok)` (the report's shape;
+    `verdicts` collects them): value None where the figure was not measured."""
     decode = {(row["context"], row["sessions"]): row for row in r.get("decode", [])}
     s = TARGETS["scaling"]
     one, many = decode.get((s["context"], 1), {}).get("kvstore"), decode.get((s["context"], s["sessions"]), {}).get("kvstore")
@@ -622,7 +629,6 @@ def verdicts(r: dict) -> list[dict]:
         f"≤ {TARGETS['itl_p99_ratio']:.0f}×", lambda v: v <= TARGETS["itl_p99_ratio"])
     failed = r.get("forks", {}).get("failed")
     add("failed requests, forks behind the KV budget", failed, f"{failed}", "0", lambda v: v == TARGETS["failed"])
-    return rows
 
 
 # -- the report ----------------------------------------------------------------------------------------
@@ -713,12 +719,6 @@ def suite_phase(model, quick: bool, threads: int, log=print) -> dict:
 
 def section(r: dict) -> list[str]:
     return markdown(r).splitlines() + [""]
-
-
-def targets(r: dict, add) -> None:
-    """Each of `verdicts`' goals through the report's `add(goal, value, text, target, ok)`."""
-    for v in verdicts(r):
-        add(v["goal"], None if v["met"] is None else v["met"], v["figure"], v["target"], lambda met: met)
 
 
 # -- alone ---------------------------------------------------------------------------------------------

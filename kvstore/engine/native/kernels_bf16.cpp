@@ -226,8 +226,9 @@ at::Tensor rms_norm_bf16(const at::Tensor& x_any, const at::Tensor& w_any, doubl
   at::Tensor out = at::empty(x.sizes(), x.options());
   const uint16_t *X = bits(x), *W = bits(w);
   uint16_t* O = bits_out(out);
+  const Steps& st = steps();
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; r++) steps().rms_norm_row(X + r * H, W, O + r * H, H, float(eps));
+    for (int64_t r = begin; r < end; r++) st.rms_norm_row(X + r * H, W, O + r * H, H, float(eps));
   });
   return out;
 }
@@ -243,8 +244,9 @@ at::Tensor swiglu_bf16(const at::Tensor& gu_any) {
   at::Tensor out = at::empty(shape, gu.options());
   const uint16_t* G = bits(gu);
   uint16_t* O = bits_out(out);
+  const Steps& st = steps();
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; r++) steps().swiglu_row(G + r * 2 * F, G + r * 2 * F + F, O + r * F, F);
+    for (int64_t r = begin; r < end; r++) st.swiglu_row(G + r * 2 * F, G + r * 2 * F + F, O + r * F, F);
   });
   return out;
 }
@@ -263,9 +265,10 @@ at::Tensor& rope_bf16_(at::Tensor& x, const at::Tensor& cos_any, const at::Tenso
               hd);
   uint16_t* X = bits_out(x);
   const uint16_t *C = bits(cos), *S = bits(sin);
+  const Steps& path = steps();  // (st is the token stride here)
   at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; t++)
-      for (int64_t h = 0; h < heads; h++) steps().rope_head(X + t * st + h * sh, C + t * hd, S + t * hd, hd);
+      for (int64_t h = 0; h < heads; h++) path.rope_head(X + t * st + h * sh, C + t * hd, S + t * hd, hd);
   });
   return x;
 }

@@ -4,10 +4,17 @@ Each job runs in a greenlet of its own. Its session calls the model as the libra
 (`feed` a prompt chunk or the last sampled token, then `head`); through `BatchedModel` such a call
 hands the request to the engine loop's greenlet and waits. Once every job of the round has either
 finished its step or asked the model, the loop answers the requests together: one `Model.feed_rows`
-over all the decode tokens and as many prompt chunks as the step's token budget holds (the other
-chunks wait for the next step, in order of arrival), then one `Model.head` over every final state
-that asked for logits. A chunk is never cut: its bounds are the session's own (absolute multiples of
-its chunk size), so a prompt read in company is read in exactly the library's kernel calls.
+over all the decode tokens and the prompt rows the step has room for (the rest wait for the next
+step, in order of arrival), then one `Model.head` over every final state that asked for logits.
+
+How many prompt rows go beside decode tokens (`Pace`): as many as keep the step within
+`max_slowdown` times a step of the decode tokens alone, from the seconds the steps took so far, so a
+long document read by one client slows the others' tokens by that factor at most, and is read all
+the same (at least `Pace.LEAST` rows a step). A step with no decode token reads whole chunks while
+`step_tokens` holds. Where the model computes every row alone (`Model.row_invariant`) a chunk is cut
+to fit: its rows compute alike in a piece of any size. Elsewhere a chunk is never cut (its bounds
+are the session's own, absolute multiples of its chunk size, so a prompt read in company is read in
+exactly the library's kernel calls) and the oldest waiting chunk goes into every step whole.
 
 The bits (contract C9): `feed_rows` gives every item what `feed` gives it alone, and the head's
 rows are computed alone too, so a session's tokens and logits are the library's whatever runs
@@ -16,7 +23,8 @@ beside it. A call made outside the loop's greenlets (warm-up, tests) goes straig
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from greenlet import GreenletExit, getcurrent, greenlet
@@ -62,9 +70,44 @@ class Step:
     prefill_rows: int = 0
 
 
+class Pace:
+    """The prompt rows a step may read beside `decode` decode tokens, learnt from the steps' seconds:
+    (max_slowdown - 1) x a decode-only step's seconds / a prompt row's seconds, within
+    [LEAST, step_tokens - decode]. Until both are measured: LEAST (the first mixed steps measure them)."""
+
+    LEAST = 8  # prompt rows a step reads at least, beside any number of decode tokens
+    WEIGHT = 0.2  # of each new measurement in the running averages
+
+    def __init__(self, step_tokens: int, max_slowdown: float):
+        self.step_tokens, self.max_slowdown = step_tokens, max_slowdown
+        self.decode_s: float | None = None  # a step of decode tokens alone
+        self.row_s: float | None = None  # one prompt row, beyond the decode tokens beside it
+
+    def observe(self, decode: int, prompt: int, seconds: float) -> None:
+        if prompt == 0:
+            if decode:
+                self.decode_s = self._mean(self.decode_s, seconds)
+        elif decode == 0:
+            self.row_s = self._mean(self.row_s, seconds / prompt)
+        elif self.decode_s is not None:
+            self.row_s = self._mean(self.row_s, max(seconds - self.decode_s, 0.0) / prompt)
+
+    def rows(self, decode: int) -> int:
+        room = max(self.LEAST, self.step_tokens - decode)
+        if self.decode_s is None or not self.row_s:
+            return min(self.LEAST, room)
+        allowed = int((self.max_slowdown - 1) * self.decode_s / self.row_s)
+        return max(self.LEAST, min(room, allowed))
+
+    def _mean(self, old: float | None, new: float) -> float:
+        return new if old is None else old + self.WEIGHT * (new - old)
+
+
 class Batcher:
-    def __init__(self, model, step_tokens: int):
+    def __init__(self, model, step_tokens: int, max_slowdown: float = 2.0):
         self.model, self.step_tokens = model, step_tokens
+        self.pace = Pace(step_tokens, max_slowdown)
+        self.cut = bool(getattr(model, "row_invariant", False))  # a prompt chunk may be read in pieces
         self.hub: greenlet | None = None  # the loop's greenlet while it runs jobs
         self.round = 0
         self.waiting: dict[str, tuple[greenlet, Request]] = {}  # jobs asking the model, their greenlets
@@ -145,24 +188,53 @@ class Batcher:
     def _answer_feeds(self, step: Step) -> dict[str, tuple[greenlet, Any]]:
         feeds = sorted(((job, task, r) for job, (task, r) in self.waiting.items() if r.kind == "feed"),
                        key=lambda f: (f[2].rows > 1, f[2].arrived))
-        chosen, rows = [], 0
-        for job, task, r in feeds:  # every decode token, then prompt chunks while the budget holds
-            if r.rows > 1 and chosen and rows + r.rows > self.step_tokens:
-                continue
-            chosen.append((job, task, r))
-            rows += r.rows
+        chosen = self._choose(feeds)
         if not chosen:
             return {}
-        for job, _, _ in chosen:
-            del self.waiting[job]
         step.sessions = len(chosen)
-        step.decode_rows += sum(1 for _, _, r in chosen if r.rows == 1)
-        step.prefill_rows += sum(r.rows for _, _, r in chosen if r.rows > 1)
+        step.decode_rows += sum(1 for _, _, r, _ in chosen if r.rows == 1)
+        step.prefill_rows += sum(piece.rows for _, _, r, piece in chosen if r.rows > 1)
+        answers: dict[str, tuple[greenlet, Any]] = {}
+        for job, task, r, piece in chosen:
+            if piece is r:
+                del self.waiting[job]
+            else:  # the rest of its chunk waits for the next step
+                ids, pos, cache = r.args
+                self.waiting[job] = (task, replace(r, args=(ids[piece.rows:], pos + piece.rows, cache)))
+        t = time.perf_counter()
         try:
-            hidden = self.model.feed_rows([r.args for _, _, r in chosen])
-            return {job: (task, hidden[i]) for i, (job, task, _) in enumerate(chosen)}
+            hidden = self.model.feed_rows([piece.args for _, _, _, piece in chosen])
         except Exception:  # noqa: BLE001 -- one item's error (its context, its cache) must not fail the others
-            return {job: (task, _alone(self.model, r)) for job, task, r in chosen}
+            hidden = [_alone(self.model, piece) for _, _, _, piece in chosen]
+        else:
+            self.pace.observe(step.decode_rows, step.prefill_rows, time.perf_counter() - t)
+        for i, (job, task, r, piece) in enumerate(chosen):
+            if piece is r or isinstance(hidden[i], BaseException):
+                self.waiting.pop(job, None)
+                answers[job] = (task, hidden[i])
+        return answers
+
+    def _choose(self, feeds: list) -> list[tuple[str, greenlet, Request, Request]]:
+        """(job, task, request, what of it this step feeds): every decode token, then prompt rows, oldest
+        first, within the pace beside decode tokens or `step_tokens` without them (module docstring)."""
+        decode = [(job, task, r, r) for job, task, r in feeds if r.rows == 1]
+        prompts = [(job, task, r) for job, task, r in feeds if r.rows > 1]
+        room = self.pace.rows(len(decode)) if decode else self.step_tokens
+        chosen = list(decode)
+        for job, task, r in prompts:
+            if room <= 0:
+                break
+            if r.rows <= room:
+                chosen.append((job, task, r, r))
+            elif self.cut and decode:
+                ids, pos, cache = r.args
+                chosen.append((job, task, r, replace(r, args=(ids[:room], pos, cache))))
+            elif len(chosen) == len(decode):  # the oldest chunk goes whole rather than wait for ever
+                chosen.append((job, task, r, r))
+            else:
+                continue
+            room -= chosen[-1][3].rows
+        return chosen
 
 
 _START = object()  # a new step: its greenlet starts with no answer

@@ -59,8 +59,12 @@ def is_loopback(host: str) -> bool:
                    "stored prefix of its prompt (whole chunks, byte-identical to a cold run) and its session is kept "
                    "as an entry, the least recently used deleted beyond SIZE (named sessions never); 0 turns it off.")
 @click.option("--step-tokens", default=512, show_default=True, type=click.IntRange(1, 1 << 20),
-              help="Tokens one engine step computes at most: every generating session's next token, then whole "
-                   "prompt chunks of reading sessions while they fit.")
+              help="Tokens one engine step computes at most: every generating session's next token, then "
+                   "prompt rows of reading sessions while they fit.")
+@click.option("--max-slowdown", default=2.0, show_default=True, type=click.FloatRange(1.0, 1000.0),
+              help="How much a long prompt being read may slow the generating sessions: a step that reads prompt "
+                   "rows beside their tokens takes about this many times their step alone (learnt from the steps' "
+                   "times; at least 8 prompt rows a step, so every prompt is read).")
 @click.option("--max-open", default=100000, show_default=True, type=click.IntRange(1, 10**9),
               help="Sessions an engine keeps in memory between requests, at most (least recently used closed first).")
 @click.option("--max-tokens", default=4096, show_default=True, type=click.IntRange(1, 10**7),
@@ -81,7 +85,7 @@ def is_loopback(host: str) -> bool:
               help="One line per request: key=value text, or a JSON object.")
 @click.pass_obj
 def serve(app, host, port, model, served_model_name, dtype, weights, workers, threads, api_key_file, allow_unauthenticated,
-          max_queue, max_running, kv_memory, prefix_cache, step_tokens, max_open, max_tokens, max_body, max_import, chunk_size, checkpoint_every, grace,
+          max_queue, max_running, kv_memory, prefix_cache, step_tokens, max_slowdown, max_open, max_tokens, max_body, max_import, chunk_size, checkpoint_every, grace,
           keep_alive, log_format):
     """Serve the store over HTTP: an OpenAI-compatible API.
 
@@ -120,7 +124,7 @@ def serve(app, host, port, model, served_model_name, dtype, weights, workers, th
                          model_id=served_model_name, dtype=dtype, weights=weights, host=host, port=port,
                          workers=workers, threads=threads, api_keys=keys, allow_open=allow_unauthenticated,
                          max_queue=max_queue, max_running=max_running, max_open=max_open, kv_memory=memory, prefix_cache=prefix_budget,
-                         step_tokens=step_tokens, max_tokens=max_tokens, max_body=max_body, max_import=max_import,
+                         step_tokens=step_tokens, max_slowdown=max_slowdown, max_tokens=max_tokens, max_body=max_body, max_import=max_import,
                          chunk_size=chunk_size, checkpoint_every=checkpoint_every, grace=grace,
                          keep_alive=keep_alive, log_format=log_format)
     run(config)

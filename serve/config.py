@@ -46,7 +46,8 @@ class ServeConfig:
     max_open: int = 100000  # sessions an engine keeps open between requests (besides the KV memory's bound)
     kv_memory: int = 2 * 2**30  # bytes of paged KV memory, shared out among the engines
     prefix_cache: int = 2**30  # KV bytes of the prefix-cache entries (stateless requests' sessions); 0: off
-    step_tokens: int = 512  # tokens one engine step's forward computes at most (decode rows + prompt chunks)
+    step_tokens: int = 512  # tokens one engine step's forward computes at most (decode rows + prompt rows)
+    max_slowdown: float = 2.0  # a step reading prompt rows beside decode tokens: at most this x their step alone
     max_body: int = 8 * 2**20  # bytes of a request body; beyond: 413 (imports: max_import)
     max_import: int = 4 * 2**30
     max_tokens: int = 4096  # the most a request may generate; the default too, within the context

@@ -34,8 +34,8 @@ class Engine:
     """The model, the store and the sessions this engine has open."""
 
     def __init__(self, store, model, *, max_open: int = 16, busy_wait: float = 10.0, step_tokens: int = 512,
-                 kv_memory: int | None = None):
-        self.batcher = Batcher(model, step_tokens)
+                 kv_memory: int | None = None, max_slowdown: float = 2.0):
+        self.batcher = Batcher(model, step_tokens, max_slowdown)
         cfg = model.config
         self.pool = None if kv_memory is None else kvstore.BlockPool.for_budget(
             cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, dtype=model.dtype, budget_bytes=kv_memory, device=model.device)
@@ -164,7 +164,7 @@ def main(conn, settings: dict[str, Any]) -> None:
     store = kvstore.open_store(settings["home"], url=settings.get("index"))
     model = kvstore.load_model(settings["model"], dtype=settings.get("dtype"), weights=settings.get("weights"))
     engine = Engine(store, model, max_open=settings.get("max_open", 16), step_tokens=settings.get("step_tokens", 512),
-                    kv_memory=settings.get("kv_memory"))
+                    kv_memory=settings.get("kv_memory"), max_slowdown=settings.get("max_slowdown", 2.0))
     engine.index = settings.get("engine", 0)
     warm_up(model, engine.pool)
     conn.send({"event": "ready", "pid": os.getpid(), "model": settings["model_id"],
@@ -208,8 +208,7 @@ def _exit(*_) -> None:
 
 class Loop:
     """Runs the jobs: each engine step advances every running job by one event, their model calls
-    batched (`batching.Batcher`: one forward for every decode token and the prompt chunks that fit
-    `step_tokens`)."""
+    batched (`batching.Batcher`: one forward for every decode token and the prompt rows its pace allows)."""
 
     def __init__(self, conn, engine: Engine):
         self.conn, self.engine = conn, engine

@@ -52,7 +52,8 @@ class Service:
         settings = {"home": str(config.home) if config.home else None, "index": config.index,
                     "model": config.model, "model_id": config.served_name(), "dtype": config.dtype,
                     "weights": config.weights, "threads": config.engine_threads(), "max_open": config.max_open,
-                    "kv_memory": config.engine_kv_memory(), "step_tokens": config.step_tokens}
+                    "kv_memory": config.engine_kv_memory(), "step_tokens": config.step_tokens,
+                    "max_slowdown": config.max_slowdown}
         self.pool = Pool(settings, config.workers, self.metrics)
         self.admission = Admission(self.metrics, engines=config.workers, max_running=config.max_running,
                                    max_queue=config.max_queue)

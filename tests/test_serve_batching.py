@@ -18,6 +18,7 @@ import pytest
 import kvstore
 from engine_models import Q
 from kvstore_serve import engine as engine_module
+from kvstore_serve.batching import Pace
 from kvstore_serve.engine import Engine, Loop
 from test_serve_engine import FakePipe
 
@@ -48,10 +49,11 @@ def library_trace(tmp_path, model, j: int, sampling: str, max_tokens: int) -> li
     return [(d["position"], d["token"], d["logits_sha256"]) for d in lines]
 
 
-def together(tmp_path, model, jobs: list[dict], monkeypatch) -> tuple[dict, list]:
+def together(tmp_path, model, jobs: list[dict], monkeypatch, max_slowdown: float = 2.0) -> tuple[dict, list]:
     monkeypatch.setattr(engine_module, "STATS_EVERY", 0.0)  # every forward's size in a stats message
     store = kvstore.open_store(tmp_path / "together")
-    engine = Engine(store, model, step_tokens=16 * CHUNK)  # room for every session's chunk in one forward
+    # room for every session's chunk in one forward
+    engine = Engine(store, model, step_tokens=16 * CHUNK, max_slowdown=max_slowdown)
     pipe = FakePipe([*jobs, {"op": "stop"}])
     try:
         Loop(pipe, engine).run()
@@ -92,3 +94,59 @@ def test_the_real_model_in_a_batch_replies_as_the_library_alone(tmp_path, smollm
     for j in range(4):
         assert events[f"j{j}"] == library_trace(tmp_path, model, j, "seeded", 8), f"session s{j}"
     assert max(sessions for sessions, _, _ in steps) == 4
+
+
+def reading(j: int, words: int, max_tokens: int) -> dict:
+    """A job whose prompt is `words` words long (several chunks), greedy."""
+    text = " ".join(f"w{(3 * j + i) % 50}" for i in range(words))
+    return {"op": "run", "id": f"j{j}", "kind": "complete", "session": f"s{j}", "prompt": text,
+            "max_tokens": max_tokens, "stop": [], "sampling": SAMPLING["greedy"],
+            "create": {"seed": 100 + j, "chunk_size": CHUNK}}
+
+
+def library_completion(tmp_path, model, spec: dict) -> list[tuple]:
+    store = kvstore.open_store(tmp_path / f"alone-{spec['id']}")
+    trace = tmp_path / f"alone-{spec['id']}.jsonl"
+    with store.new(spec["session"], model, seed=spec["create"]["seed"], chunk_size=CHUNK) as s:
+        s.append_text(spec["prompt"])
+        for _ in s.generate(spec["max_tokens"], trace=str(trace), temperature=0.0):
+            pass
+    store.close()
+    lines = [json.loads(line) for line in trace.read_text().splitlines()]
+    return [(d["position"], d["token"], d["logits_sha256"]) for d in lines]
+
+
+def test_a_long_prompt_is_read_while_others_decode_not_after_them(tmp_path, batched_model, monkeypatch):
+    """Three sessions decode 48 tokens each while a fourth reads a prompt of many chunks: the reader
+    gets prompt rows in every step beside their tokens (with --max-slowdown 1: the least, Pace.LEAST
+    rows, where the model computes every row alone; a whole chunk otherwise), so it finishes long
+    before they do, and every session's bits are the library's alone."""
+    jobs = [reading(0, 50, 2)] + [reading(j, 3, 48) for j in (1, 2, 3)]
+    events, steps = together(tmp_path, batched_model, jobs, monkeypatch, max_slowdown=1.0)
+    for spec in jobs:
+        assert events[spec["id"]] == library_completion(tmp_path, batched_model, spec), spec["id"]
+    mixed = [(decode, prompt) for _, decode, prompt in steps if decode and prompt]
+    assert len(mixed) >= 5  # the reader read beside the decoders' tokens, step after step
+    if batched_model.row_invariant:
+        assert all(prompt <= Pace.LEAST for _, prompt in mixed)  # pieces of chunks
+    else:  # whole chunks, the prompt's last one shorter
+        assert sorted(prompt for _, prompt in mixed)[1:] == [CHUNK] * (len(mixed) - 1)
+    decode_steps = [decode for _, decode, _ in steps if decode]
+    assert decode_steps.count(3) > len(mixed)  # the decoders went on after the reader was done
+
+
+def test_the_pace_lets_prompt_rows_take_what_max_slowdown_leaves_of_a_decode_step():
+    pace = Pace(step_tokens=512, max_slowdown=2.0)
+    assert pace.rows(4) == Pace.LEAST  # nothing measured yet: the least
+    pace.observe(decode=4, prompt=0, seconds=0.040)  # a step of 4 decode tokens alone: 40 ms
+    pace.observe(decode=0, prompt=100, seconds=0.300)  # a prompt row: 3 ms
+    assert pace.rows(4) == 13  # 13 rows x 3 ms <= (2 - 1) x 40 ms
+    wider, narrow = Pace(512, 3.0), Pace(14, 2.0)
+    for p in (wider, narrow):
+        p.observe(4, 0, 0.040)
+        p.observe(0, 100, 0.300)
+    assert wider.rows(4) == 26 and narrow.rows(4) == 10  # the step's budget bounds it: 14 - 4 decode rows
+    pace.observe(decode=4, prompt=10, seconds=0.040 + 0.080)  # beside decode tokens a row cost 8 ms
+    assert pace.row_s == pytest.approx(0.003 + Pace.WEIGHT * (0.008 - 0.003))
+    assert pace.rows(4) == int(0.040 / pace.row_s)
+    assert Pace(512, 1.0).rows(4) == Pace.LEAST  # no slowdown allowed: still the least, so prompts are read

@@ -679,7 +679,9 @@ def markdown(r: dict) -> str:
                   f"while another session reads {it['reader_tokens']:,} tokens ({it['reader_s']:.1f} s):", "",
                   "| | p50 | p99 | gaps |", "|---|---:|---:|---:|",
                   f"| quiet | {ms(it['quiet']['p50'])} | {ms(it['quiet']['p99'])} | {it['quiet']['n']} |",
-                  f"| during the read | {ms(it['loaded']['p50'])} | {ms(it['loaded']['p99'])} | {it['loaded']['n']} |", ""]
+                  f"| during the read | {ms(it['loaded']['p50'])} | {ms(it['loaded']['p99'])} | {it['loaded']['n']} |",
+                  f"| during ÷ quiet | {it['loaded']['p50'] / it['quiet']['p50']:.2f}× | "
+                  f"{it['loaded']['p99'] / it['quiet']['p99']:.2f}× | |", ""]
     if r.get("chat"):
         lines += [f"Stateless multi-turn chat: {cfg.get('chat_conversations')} conversations × {cfg.get('chat_turns')} "
                   "turns, the whole history resent each turn, no session named (medians per turn):", "",

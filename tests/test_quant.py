@@ -99,6 +99,31 @@ def test_the_kernel_equals_the_reference_bit_for_bit_on_every_path(kind, dtype, 
             assert torch.equal(kernel(w, x, add, isa), expected), (isa, None if add is None else add.shape)
 
 
+def extreme_blocks(kind: str, rows: int, cols: int) -> quant.Blocks:
+    """Blocks whose every quant is the largest in magnitude (Q4: 15, Q8_0: -128), scale 1, minimum 0."""
+    block = {"Q4_0": [0x00, 0x3C] + [0xFF] * 16, "Q4_1": [0x00, 0x3C, 0, 0] + [0xFF] * 16,
+             "Q8_0": [0x00, 0x3C] + [0x80] * 32}[kind]
+    raw = torch.tensor(block * (rows * cols // 32), dtype=torch.uint8).view(rows, -1)
+    return quant.Blocks(kind, raw, cols)
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_largest_products_sum_exactly_on_every_path(kind):
+    """Every quant at its largest magnitude against activations that quantize to +-127: the integer
+    sums are at their bounds (the AVX2 path adds a block's Q4 pair sums in int16), and still exact."""
+    w = quant.pack(extreme_blocks(kind, 16, 256))
+    x = torch.ones(3, 256)
+    x[1] = -1.0
+    x[2, ::2] = -1.0
+    for dtype in (torch.bfloat16, torch.float32):
+        expected = quant_reference.qgemm(w, x.to(dtype))
+        assert torch.equal(quant_reference.qgemm(w, x.to(dtype)).float().abs().amax(dim=1)[:2],
+                           torch.full((2,), {"Q4_0": 7.0, "Q4_1": 15.0, "Q8_0": 128.0}[kind] * 256).to(dtype).float())
+        for isa in paths():
+            assert torch.equal(kernel(w, x.to(dtype), None, isa), expected), isa
+
+
 @needs_kernel
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_rows_bits_do_not_depend_on_the_other_rows_or_the_thread_count(kind):

@@ -325,8 +325,7 @@ def kernel_paths() -> dict[str, str]:
 
     return {"bfloat16 products, norms, SwiGLU, rotary": native.status(),
             "block-quantized products": native.quant_status(),
-            "attention": "native AVX512 attention" if native.attention() is not None else
-            "torch's scaled_dot_product_attention"}
+            "attention": native.attention_status()}
 
 
 def cpu_flags(cpuinfo: list[str]) -> list[str]:

@@ -133,12 +133,20 @@ def growth(r: dict, path: Path) -> None:
     save(fig, path)
 
 
+CHARTS = (("ttft", ttft, ("ttft",)), ("engine", engine, ("engine",)), ("save_restore", save_restore, ("save_restore",)),
+          ("checkpoint", checkpoint, ("checkpoint",)), ("growth", growth, ("ttft", "forks")))
+
+
 def draw_all(r: dict, folder: Path) -> list[Path]:
+    """Every chart whose phases ran (`run --skip` leaves some out); a chart of a phase left out is
+    removed, so no plot of an earlier run stands beside this run's report."""
     folder.mkdir(parents=True, exist_ok=True)
     made = []
-    for name, draw in (("ttft", ttft), ("engine", engine), ("save_restore", save_restore), ("checkpoint", checkpoint),
-                       ("growth", growth)):
+    for name, draw, phases in CHARTS:
         path = folder / f"{name}.png"
-        draw(r, path)
-        made.append(path)
+        if all(r.get(phase) for phase in phases):
+            draw(r, path)
+            made.append(path)
+        else:
+            path.unlink(missing_ok=True)
     return made

@@ -732,14 +732,20 @@ def not_measured(r: dict) -> list[str]:
     return ["## Not measured", ""] + [f"- {k}: {why}" for k, why in gone.items()] + [""]
 
 
+SECTIONS = ((ttft_section, ("ttft",)), (engine_section, ("engine",)), (quality_section, ()), (batching_section, ()),
+            (save_section, ("save_restore",)), (checkpoint_section, ("checkpoint",)), (growth_section, ("ttft", "forks")),
+            (scale_section, ()))  # the report's sections in order, each with the phases it needs
+
+
 def markdown(r: dict, services: list[dict] = (), machines: list[dict] = ()) -> str:
     """The report of a suite run `r`, with a Service section for its own serve phase (if it ran one)
     and for each of `services` (standalone `python -m benchmarks.serve` results, per CPU), and the
     machine-kinds table of `r` beside `machines` (other kinds' full runs)."""
     r = upgrade(r)
-    parts = header(r) + machines_section(r, list(machines)) + not_measured(r) + ttft_section(r) + engine_section(r)
-    parts += quality_section(r) + batching_section(r) + save_section(r)
-    parts += checkpoint_section(r) + growth_section(r) + scale_section(r)
+    parts = header(r) + machines_section(r, list(machines)) + not_measured(r)
+    for section, phases in SECTIONS:
+        if all(r.get(phase) for phase in phases):  # `run --skip` leaves phases out
+            parts += section(r)
     for doc in service_docs(r, services):
         parts += service_section(doc, r["machine"])
     return "\n".join(parts).rstrip() + "\n"

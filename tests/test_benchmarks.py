@@ -406,6 +406,16 @@ def test_write_makes_the_report_and_its_plots(tmp_path):
         assert (tmp_path / "plots" / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_a_run_that_left_phases_out_has_neither_their_sections_nor_their_plots(tmp_path):
+    report.write(fake(), tmp_path)  # an earlier run's plots, all of them
+    r = {k: v for k, v in fake().items() if k not in ("checkpoint", "forks")} | {"skipped": ["checkpoint", "forks"]}
+    text = report.write(r, tmp_path).read_text(encoding="utf-8")
+    assert "## Checkpoint overhead" not in text and "## How costs grow" not in text
+    assert "## Time to first token" in text and "## Save and restore" in text
+    plots = sorted(p.stem for p in (tmp_path / "plots").glob("*.png"))
+    assert plots == ["engine", "save_restore", "ttft"]  # checkpoint's and growth's (it needs the forks) removed
+
+
 MEASURED = re.compile(r"(?:about |~|≈ ?)?\b\d[\d,.]*\s?(?:ms|µs|s|tok/s|GB/s|MB/s|×|x faster|times faster)\b"
                       r"|\b(?:twice|several times|\w+ times) (?:as fast|faster|slower)")
 

@@ -101,6 +101,12 @@ def quant_status() -> str:
     return _quant_choice[1]
 
 
+def attention_status() -> str:
+    """Which attention runs over the cache, and why: one line."""
+    attention()
+    return _attention[1]
+
+
 def attention() -> Callable | None:
     """The native attention over a paged bfloat16 KV cache, or None (see the module's docstring)."""
     global _attention

@@ -184,9 +184,10 @@ def text_tokens(cfg: dict) -> int:
 
 
 # -- talking to a server ---------------------------------------------------------------------------
-def complete(server: Server, prompt: str, max_tokens: int, session: str | None = None) -> dict:
+def complete(server: Server, prompt: str, max_tokens: int, session: str | None = None,
+             first_chunk: threading.Event | None = None) -> dict:
     """One streamed /v1/completions request: the time it was sent, each content chunk's arrival, its
-    usage (serve.usage_fields) or its error."""
+    usage (serve.usage_fields) or its error. `first_chunk` is set when its first content arrives."""
     headers = {"X-Session-Id": session} if session else {}
     sent, times, usage = time.perf_counter(), [], None
     try:
@@ -197,6 +198,8 @@ def complete(server: Server, prompt: str, max_tokens: int, session: str | None =
             usage = chunk.usage or usage
             if chunk.choices and chunk.choices[0].text:
                 times.append(time.perf_counter())
+                if first_chunk is not None:
+                    first_chunk.set()
     except Exception as e:  # noqa: BLE001 -- a failed request is a figure of the benchmark
         return {"sent": sent, "times": times, "error": f"{type(e).__name__}: {e}"[:300], "session": session,
                 "completion_tokens": len(times), "prompt_tokens": None, "cached_tokens": None}
@@ -411,16 +414,17 @@ def interleave(server: Server, cfg: dict, texts: dict, reader_text: str) -> dict
 
     def decoder(i: int) -> list[dict]:
         replies = []
-        while not done.is_set() or not replies:
-            replies.append(complete(server, CONTINUE, cfg["itl_new_tokens"], f"busy-{i}"))
-            started[i].set()
+        while not done.is_set() or len(replies) < 2:
+            # its second reply's first token sets `started`: the decoders are mid-reply, not between requests
+            replies.append(complete(server, CONTINUE, cfg["itl_new_tokens"], f"busy-{i}", started[i] if replies else None))
             if replies[-1]["error"]:
+                started[i].set()
                 break
         return replies
 
     with ThreadPoolExecutor(max_workers=count) as pool:
         running_decoders = [pool.submit(decoder, i) for i in range(count)]
-        for e in started:  # every decoder has finished a first reply: all of them are in their second
+        for e in started:  # every decoder is streaming its second reply (the first ones began together)
             e.wait(600)
         reader = complete(server, reader_text, 1, "reader")
         done.set()
@@ -428,6 +432,7 @@ def interleave(server: Server, cfg: dict, texts: dict, reader_text: str) -> dict
     read_end = reader["times"][0] if reader["times"] else time.perf_counter()
     loaded_gaps = [g for r in busy for g in gaps_within(r["times"], reader["sent"], read_end)]
     out = {"sessions": count, "context": n, "reader_tokens": reader["prompt_tokens"], "reader_s": read_end - reader["sent"],
+           "replies": {"quiet": [s["completion_tokens"] for s in quiet], "during": [r["completion_tokens"] for r in busy]},
            "errors": sum(r["error"] is not None for r in quiet + busy + [reader]),
            "quiet": stats(quiet_gaps) if quiet_gaps else None, "loaded": stats(loaded_gaps) if loaded_gaps else None}
     if out["quiet"] and out["loaded"]:

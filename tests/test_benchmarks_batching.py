@@ -166,7 +166,7 @@ def test_the_quick_benchmark_runs_against_kvstore_serve(tmp_path, smollm2_path):
     # the biggest point's sessions were computed together
     assert rows[(cfg["contexts"][-1], max(cfg["sessions"]))]["kvstore"]["sessions_per_step"] > 1
     it = r["interleave"]
-    assert it["errors"] == 0 and it["quiet"]["n"] > 0 and it["loaded"]["n"] > 0
+    assert it["errors"] == 0 and it["quiet"] and it["loaded"], it  # gaps alone and during the read
     # without a prefix cache a stateless request computes its whole prompt
     plain = [t for t in r["chat_turns"] if t["mode"] == "no prefix cache"]
     assert len(plain) == cfg["chat_conversations"] * cfg["chat_turns"]

@@ -2,6 +2,7 @@
 
     python -m benchmarks.engine            # this phase alone (kvstore both ways and HF; no llama.cpp)
     python -m benchmarks.engine --quick    # CI-sized
+    python -m benchmarks.engine --no-hf --llama --contexts 1024,2048 --reps 5   # kvstore against llama.cpp
 
 The engines (`Ours`: a kvstore Model, on the GGUF's blocks as stored or on bfloat16; `HF`:
 transformers in bfloat16; `benchmarks.llama_peer.LlamaCpp`) each have `decode(prompt, n_new)`,
@@ -48,7 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, help="repetitions per measurement (default 5, --quick 2)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--model", default="smollm2", help="alias or .gguf path (HF loads the same file)")
-    p.add_argument("--no-hf", action="store_true", help="kvstore only")
+    p.add_argument("--no-hf", action="store_true", help="leave HF transformers out")
+    p.add_argument("--llama", action="store_true", help="llama.cpp too (llama-cpp-python, when installed)")
+    p.add_argument("--contexts", help="decode contexts, comma-separated (default 1024,2048,8160; --quick: shorter)")
     p.add_argument("--out", type=Path, default=OUT)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -62,8 +65,17 @@ def main(argv: list[str] | None = None) -> int:
         cfg["engine_reps"] = args.reps
     models, load_s = load_kvstore(args.model, None)
     engines = {name: Ours(m, DEFAULT_CHUNK, load_s[name]) for name, m in models.items()}
+    if args.contexts:
+        cfg["contexts"] = [int(n) for n in args.contexts.split(",")]
     if not args.no_hf:
         engines["hf"] = HF(Path(models[OURS].source))
+    if args.llama:
+        from . import llama_peer
+
+        llama, why = llama_peer.load(Path(models[OURS].source), args.threads, models[OURS].config.max_context)
+        if llama is None:
+            p.error(f"llama.cpp is not measured: {why}")
+        engines["llama.cpp"] = llama
     out = phase(engines, models[OURS], cfg, log=lambda m: print(m, file=sys.stderr))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "engine.json").write_text(json.dumps(out, indent=1) + "\n")

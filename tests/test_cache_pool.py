@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import kvstore
-from kvstore.engine.buffers import HUGE_PAGE, BufferPool, huge_pages
+from kvstore.engine.buffers import HUGE_PAGE, BufferPool, HugeArena, huge_pages
 from kvstore.engine.cache import KVCache, POOL
 
 
@@ -132,3 +132,27 @@ def test_a_cache_on_huge_pages_holds_what_is_written_and_goes_back_to_the_pool()
     assert all(torch.equal(s, rows) for s in cache.state())
     cache.release()
     assert buffers(POOL) == [layer_bytes] * 2
+
+
+def test_the_arena_cuts_aligned_pieces_that_never_overlap_and_leaves_small_ones_alone():
+    """`buffers.HugeArena` (where packed weights live): pieces of at least `least` bytes come from
+    huge-page chunks, 64-byte aligned, each its own bytes; a piece larger than a chunk gets a chunk of
+    its own; smaller requests, or a system without THP, get None (the caller allocates as usual)."""
+    if huge_pages(HUGE_PAGE) is None:
+        pytest.skip("no transparent huge pages on this system")
+    arena = HugeArena(chunk=HUGE_PAGE, least=1000)
+    assert arena.take(999) is None
+    sizes = [1000, 70_001, 300_000, 3 * HUGE_PAGE + 5, 1_000_000, 1_000_000]
+    pieces = [arena.take(n) for n in sizes]
+    assert [p.numel() for p in pieces] == sizes and all(p.data_ptr() % 64 == 0 for p in pieces)
+    assert pieces[3].data_ptr() % HUGE_PAGE == 0  # larger than a chunk: a chunk of its own
+    for i, p in enumerate(pieces):
+        p.fill_(i + 1)
+    assert all(bool((p == i + 1).all()) for i, p in enumerate(pieces))  # no piece wrote over another
+
+
+def test_the_arena_falls_back_where_there_are_no_huge_pages(monkeypatch):
+    import kvstore.engine.buffers as buffers
+
+    monkeypatch.setattr(buffers, "huge_pages", lambda nbytes: None)
+    assert HugeArena(least=1).take(1 << 20) is None

@@ -162,3 +162,18 @@ def test_forks_restored_into_one_pool_share_their_documents_blocks(model, tiny, 
     model.forward(m.ids(1, seed=9), 30, b)  # into a shared block: b gets its own copy
     assert b.table[1] != a.table[1] and all(torch.equal(x, y) for x, y in zip(a.state(), kept))
     store.close()
+
+
+def test_a_large_pool_sits_on_huge_pages_and_holds_what_is_written():
+    """A server-sized pool's layers start on a huge page where the system has THP (attention reads
+    its blocks with fewer TLB misses), plain memory elsewhere; blocks hold their rows either way."""
+    from kvstore.engine.buffers import HUGE_PAGE, huge_pages
+
+    pool = BlockPool(2, 3, 64, dtype=torch.bfloat16, n_blocks=512)  # 3 MiB a layer
+    if huge_pages(HUGE_PAGE) is not None:
+        assert all(t.data_ptr() % HUGE_PAGE == 0 for t in pool.layers)
+    cache = PagedCache(pool)
+    rows = torch.randn(40, 2, 3, 64).to(torch.bfloat16)
+    for layer in range(2):
+        cache.put(layer, 0, rows)
+    assert all(torch.equal(s, rows) for s in cache.state())

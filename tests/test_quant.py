@@ -227,3 +227,18 @@ def test_embedding_rows_read_natively_equal_the_reference(kind, dtype):
     assert torch.equal(ops.embed(ids, packed, dtype), packed.embed(ids, dtype))
     with pytest.raises(RuntimeError, match="row 37 is not in"):
         ops.embed(torch.tensor([37]), packed, dtype)
+
+
+def test_large_packed_matrices_live_in_huge_pages_and_compute_the_same_bits(monkeypatch):
+    """`pack` puts a matrix of 64 KiB or more in `quant.WEIGHT_MEMORY` (huge pages where the system
+    has them; ordinary memory elsewhere): the same records either way, so the same products."""
+    from kvstore.engine.buffers import HugeArena
+
+    blocks = random_blocks("Q4_1", 512, 576)  # 184 KiB packed
+    monkeypatch.setattr(quant, "WEIGHT_MEMORY", HugeArena(least=1 << 60))  # nothing goes to huge pages
+    plain = quant.pack(blocks)
+    monkeypatch.setattr(quant, "WEIGHT_MEMORY", HugeArena())
+    huge = quant.pack(blocks)
+    assert torch.equal(plain.data, huge.data) and huge.data.is_contiguous() and huge.data.data_ptr() % 64 == 0
+    x = rows_of(3, 576, torch.bfloat16)
+    assert torch.equal(ops.qgemm(huge, x), ops.qgemm(plain, x))

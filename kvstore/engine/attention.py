@@ -16,6 +16,8 @@ differently.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 import torch.nn.functional as F
 
@@ -87,14 +89,20 @@ def attend_items(q: torch.Tensor, kv: torch.Tensor, items, spans, layer: int, ma
     return kernel(q, pool.layers[layer], table, row_seq, row_len).view(q.shape[0], -1)
 
 
+@lru_cache(maxsize=8)
 def one_sequence(T: int) -> torch.Tensor:
-    """row_seq of T rows of the one sequence of a cache's block view: int32 zeros `[T]`."""
-    return torch.zeros(T, dtype=torch.int32)
+    """row_seq of T rows of the one sequence of a cache's block view: int32 zeros `[T]`. Cached: every
+    layer of a forward asks for the same one (read only: never write into it)."""
+    with torch.inference_mode(False):
+        return torch.zeros(T, dtype=torch.int32)
 
 
+@lru_cache(maxsize=8)
 def positions_after(pos: int, T: int) -> torch.Tensor:
-    """row_len of queries at pos..pos+T-1 (causal): pos+1..pos+T, int32 `[T]`."""
-    return torch.arange(pos + 1, pos + T + 1, dtype=torch.int32)
+    """row_len of queries at pos..pos+T-1 (causal): pos+1..pos+T, int32 `[T]`. Cached like
+    `one_sequence` (read only)."""
+    with torch.inference_mode(False):
+        return torch.arange(pos + 1, pos + T + 1, dtype=torch.int32)
 
 
 NATIVE_MAX_GROUP = 24  # query heads per KV head the native kernel takes (attention.cpp's kTileQueries)

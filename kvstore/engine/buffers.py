@@ -14,6 +14,12 @@ first write into fresh memory faults once per 2 MiB instead of once per 4 KiB: r
 fresh memory took 40 ms, into huge pages 5 ms (AMD EPYC Zen 5, KVM). Only whole huge pages inside
 the buffer are advised, so a buffer never occupies more than its size; where huge pages cannot
 apply (small buffers, no THP) it returns None and the caller takes ordinary memory.
+
+`HugeArena` hands out pieces of such buffers to long-lived tensors too small for whole huge pages of
+their own (a model's weight matrices, 0.2 to 30 MB each): reading weights from huge pages takes a
+TLB miss per 2 MiB instead of per 4 KiB (AMD EPYC Zen 3, KVM: a decode step's quantized products 4
+to 10 % faster). A chunk's memory goes back once the arena has moved on to the next chunk and the last
+piece cut from it is dropped; pages of a chunk never written take no memory.
 """
 
 from __future__ import annotations
@@ -83,3 +89,32 @@ def huge_pages(nbytes: int) -> np.ndarray | None:
     except OSError:  # a kernel without transparent huge pages
         return None
     return whole[start:start + nbytes]
+
+
+class HugeArena:
+    """`take(nbytes)`: a flat uint8 CPU tensor cut from a huge-page chunk (64-byte aligned), or None
+    where huge pages do not apply (under `least` bytes, no THP) and the caller allocates as usual.
+    Chunks are `chunk` bytes (or one piece's size, rounded to huge pages, when larger); the tail a
+    piece does not fit in is left unused. Thread-safe."""
+
+    def __init__(self, chunk: int = 32 << 20, least: int = 64 << 10):
+        self.chunk, self.least = chunk, least
+        self._free: "torch.Tensor | None" = None  # what is left of the current chunk
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int):
+        import torch
+
+        if nbytes < self.least:
+            return None
+        with self._lock:
+            if self._free is None or self._free.numel() < nbytes:
+                size = max(self.chunk, -(-nbytes // HUGE_PAGE) * HUGE_PAGE)
+                with torch.inference_mode(False):  # pieces outlive any forward
+                    flat = huge_pages(size)
+                    if flat is None:
+                        return None
+                    self._free = torch.from_numpy(flat)
+            piece, used = self._free[:nbytes], -(-nbytes // 64) * 64
+            self._free = self._free[used:] if used < self._free.numel() else None
+            return piece

@@ -36,7 +36,7 @@ Weight = "torch.Tensor | Packed"
 
 def qgemm(w: Packed, x: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
     """x `[T, in]` @ w.T (+ add: `[out]` or `[T, out]`), w block-quantized, in x's dtype."""
-    k = native.quant() if x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float32) else None
+    k = native.quant() if x.is_cpu and x.dtype in (torch.bfloat16, torch.float32) else None
     if k is None:
         return quant_reference.qgemm(w, x, add)
     return k.qgemm(w.data, KINDS[w.kind], w.rows, w.cols, x, add, -1)
@@ -147,7 +147,7 @@ def rotate_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 def _native(t: torch.Tensor):
-    if t.dtype is not torch.bfloat16 or t.device.type != "cpu":
+    if t.dtype is not torch.bfloat16 or not t.is_cpu:
         return None
     return native.kernels()
 

@@ -23,12 +23,14 @@ attention kernel reads them in place through the block table (`blocks`).
 
 from __future__ import annotations
 
+import math
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
 import torch
 
 from ..errors import PoolFull, PoolTooSmall
+from .buffers import huge_pages
 from .cache import POOL
 
 BLOCK_TOKENS = 16  # positions per block: a multiple of the attention kernel's key group
@@ -43,7 +45,7 @@ class BlockPool:
         self.dtype, self.device, self.block_tokens, self.n_blocks = dtype, torch.device(device), block_tokens, n_blocks
         shape = (n_blocks, block_tokens, 2, n_kv_heads, head_dim)
         with torch.inference_mode(False):  # written by forwards under inference mode, read across them
-            self.layers = [torch.empty(shape, dtype=dtype, device=self.device) for _ in range(n_layers)]
+            self.layers = [self._layer_memory(shape) for _ in range(n_layers)]
         self.refs = [0] * n_blocks
         self.free_ids = list(range(n_blocks - 1, -1, -1))  # a stack: the lowest ids first
         # blocks that hold a stored extent's rows as read from disk: (extent id, block of the extent)
@@ -51,6 +53,16 @@ class BlockPool:
         self.extent_blocks: dict[tuple[int, int], int] = {}
         self.keys_of: dict[int, list[tuple[int, int]]] = {}
         self.on_full: Callable[[int], None] | None = None  # asked to free blocks when too few are left
+
+    def _layer_memory(self, shape: tuple[int, ...]) -> torch.Tensor:
+        """One layer's blocks: on the CPU in huge pages where the system has them (`buffers.huge_pages`:
+        attention reads a session's blocks with a TLB miss per 2 MiB, not per 4 KiB; pages never written
+        take no memory), else plain memory."""
+        nbytes = math.prod(shape) * self.dtype.itemsize
+        huge = huge_pages(nbytes) if self.device.type == "cpu" else None
+        if huge is None:
+            return torch.empty(shape, dtype=self.dtype, device=self.device)
+        return torch.from_numpy(huge).view(self.dtype).view(shape)
 
     @classmethod
     def for_budget(cls, n_layers: int, n_kv_heads: int, head_dim: int, *, dtype: torch.dtype, budget_bytes: int,

@@ -8,7 +8,7 @@
   quantized on load); `dequantize` gives the values GGUF's own dequantizer gives.
 - `Packed`: the same blocks rearranged for the kernels (kernels_quant.cpp states the layout: rows
   in groups of 16, per group and block one record of 4-byte slices with the 16 rows side by side, then
-  their scales). `pack(blocks)` makes it; `embed(ids)` reads rows back (an embedding table kept
+  their scales). `pack(blocks)` makes it (on the CPU in huge pages: `WEIGHT_MEMORY`); `embed(ids)` reads rows back (an embedding table kept
   quantized); `unpack()` gives quants and scales per block for the reference arithmetic.
 
 Which kinds run as stored is `KINDS`; other GGUF types (K-quants, F16) are dequantized by the loader.
@@ -22,12 +22,15 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
+from .buffers import HugeArena
+
 BLOCK = 32  # elements per block
 LANES = 16  # rows per packed group
 KINDS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2}  # name -> the kernels' code
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
 QUANT_BYTES = {"Q4_0": 256, "Q4_1": 256, "Q8_0": 512}  # per record: 16 rows' quants of one block
 HAS_MIN = {"Q4_0": False, "Q4_1": True, "Q8_0": False}
+WEIGHT_MEMORY = HugeArena()  # where packed matrices live on the CPU: huge pages where the system has them
 
 
 def record_bytes(kind: str) -> int:
@@ -174,7 +177,12 @@ def pack(blocks: Blocks) -> Packed:
     scales = [per_group[..., 0:2]]  # [groups, nb, lane, 2 bytes of fp16]
     if HAS_MIN[kind]:
         scales.append(per_group[..., 2:4])
-    record = torch.cat([slices] + [s.reshape(groups, nb, -1) for s in scales], dim=-1).contiguous()
+    parts = [slices] + [s.reshape(groups, nb, -1) for s in scales]
+    piece = WEIGHT_MEMORY.take(groups * nb * record_bytes(kind)) if raw.device.type == "cpu" else None
+    if piece is None:
+        record = torch.cat(parts, dim=-1).contiguous()
+    else:  # [groups, nb, record bytes] in huge pages
+        record = torch.cat(parts, dim=-1, out=piece.view(groups, nb, record_bytes(kind)))
     assert record.shape[-1] == record_bytes(kind)
     return Packed(kind, rows, cols, record)
 

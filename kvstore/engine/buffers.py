@@ -37,22 +37,30 @@ class BufferPool:
     def __init__(self, limit: int, new: Callable[[int], object]):
         self.limit = limit
         self.new = new  # nbytes -> a new flat buffer of that size
-        self._free: list = []
+        self._free: list = []  # oldest first
+        self._sizes: list[int] = []  # their nbytes, side by side (a tensor's nbytes is a slow attribute)
+        self._ids: set[int] = set()  # id() of each held buffer: held ones stay alive, so ids are unique
+        self._held = 0
         self._lock = threading.Lock()
 
     @property
     def held(self) -> int:
-        return sum(b.nbytes for b in self._free)
+        return self._held
 
     def take(self, nbytes: int):
-        """The smallest held buffer of at least nbytes (no longer held), or None."""
+        """The smallest held buffer of at least nbytes (no longer held), or None (the oldest of equals)."""
         with self._lock:
-            fits = [b for b in self._free if b.nbytes >= nbytes]
-            if not fits:
-                return None
-            best = min(fits, key=lambda b: b.nbytes)
-            self._free = [b for b in self._free if b is not best]
-            return best
+            best = -1
+            for i, size in enumerate(self._sizes):
+                if size >= nbytes and (best < 0 or size < self._sizes[best]):
+                    best = i
+            return None if best < 0 else self._drop(best)
+
+    def _drop(self, i: int):
+        buf, size = self._free.pop(i), self._sizes.pop(i)
+        self._ids.discard(id(buf))
+        self._held -= size
+        return buf
 
     def borrow(self, nbytes: int):
         """A buffer of at least nbytes: a held one (`take`), else a new one; `give` it back when done."""
@@ -62,15 +70,19 @@ class BufferPool:
     def give(self, *bufs) -> None:
         with self._lock:
             for buf in bufs:
-                if buf.nbytes == 0 or buf.nbytes > self.limit or any(b is buf for b in self._free):
+                size = buf.nbytes
+                if size == 0 or size > self.limit or id(buf) in self._ids:
                     continue
                 self._free.append(buf)
-            while sum(b.nbytes for b in self._free) > self.limit:
-                self._free.pop(0)
+                self._sizes.append(size)
+                self._ids.add(id(buf))
+                self._held += size
+            while self._held > self.limit:
+                self._drop(0)
 
     def clear(self) -> None:
         with self._lock:
-            self._free = []
+            self._free, self._sizes, self._ids, self._held = [], [], set(), 0
 
 
 def huge_pages(nbytes: int) -> np.ndarray | None:

@@ -253,6 +253,15 @@ def steps_mean(after: dict, before: dict) -> float | None:
     return d["kvstore:batch_sessions_per_step_sum"] / count if count else None
 
 
+def steps_after(server: Server, before: dict, wait_s: float = 3.0) -> float | None:
+    """`steps_mean` once the point's forwards have reached the metrics: an engine reports them as it
+    goes idle, a moment after the last reply's end reached the client."""
+    deadline = time.monotonic() + wait_s
+    while (mean := steps_mean(scrape(server), before)) is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return mean
+
+
 def server_log_records(server: Server) -> list[dict]:
     """The JSON log lines (--log-format json) of every life of this server."""
     out = []
@@ -344,7 +353,7 @@ def kvstore_decode(server: Server, cfg: dict, texts: dict, facts: dict, bw: floa
                 before = scrape(server)
                 streams = together([lambda s=s: complete(server, CONTINUE, cfg["new_tokens"], s) for s in names])
                 p = {"server": "kvstore", "context": n, "sessions": count, "rep": rep, "load_1min": os.getloadavg()[0],
-                     "sessions_per_step": steps_mean(scrape(server), before)} | point_figures(streams, facts, bw)
+                     "sessions_per_step": steps_after(server, before)} | point_figures(streams, facts, bw)
                 points.append(p)
                 log(f"    kvstore   {n:5} tokens x {count:2}: {p.get('tok_s', 0):7.1f} tok/s "
                     f"(limit {p['limit_tok_s']:.0f}, {p.get('of_limit', 0) * 100:.0f} %)")

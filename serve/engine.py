@@ -220,6 +220,8 @@ class Loop:
 
     def run(self) -> None:
         while not (self.stopping and not self.running):
+            if self.steps and not self.running:  # idle: the last steps' sizes reach the metrics now
+                self._send_stats()
             self._receive(0 if self.running else 0.5)
             if self.running:
                 self._step()
@@ -262,15 +264,18 @@ class Loop:
                 self._close(job_id, self.running.pop(job_id))
 
     def _count(self, step) -> None:
-        """Each forward's size, sent to the API process's metrics at most every STATS_EVERY seconds."""
+        """Each forward's size, sent to the API process's metrics at most every STATS_EVERY seconds
+        while jobs run, and as soon as the engine has nothing to run (`run`)."""
         if step.sessions:
             self.steps.append((step.sessions, step.decode_rows, step.prefill_rows))
         if self.steps and time.monotonic() - self.stats_sent >= STATS_EVERY:
-            pool, engine = self.engine.pool, self.engine
-            kv = {} if pool is None else {"kv_used": pool.used, "kv_blocks": pool.n_blocks}
-            self._send({"event": "stats", "engine": engine.index, "steps": self.steps, "evictions": engine.evictions,
-                        **kv})
-            self.steps, self.stats_sent, engine.evictions = [], time.monotonic(), 0
+            self._send_stats()
+
+    def _send_stats(self) -> None:
+        pool, engine = self.engine.pool, self.engine
+        kv = {} if pool is None else {"kv_used": pool.used, "kv_blocks": pool.n_blocks}
+        self._send({"event": "stats", "engine": engine.index, "steps": self.steps, "evictions": engine.evictions, **kv})
+        self.steps, self.stats_sent, engine.evictions = [], time.monotonic(), 0
 
     def _close(self, job_id: str, job) -> None:
         self.batcher.abandon(job_id)  # a job waiting for the model stops there

@@ -437,6 +437,24 @@ METRICS = ["kvstore:time_to_first_token_seconds", "kvstore:inter_token_latency_s
            "kvstore:request_errors_total"]
 
 
+def test_an_idle_engine_reports_its_last_forwards_at_once(server, a):
+    """The engine sends its forwards' sizes at most every half second while it runs and the rest as
+    soon as it has nothing to run: a reply's forwards are all in the metrics shortly after it ends,
+    without waiting for another request."""
+    before = metrics(server)
+    r = a.post(CHAT, json=chat_body("Name three colours.", max_tokens=12, seed=5), headers={"X-Session-Id": "idle"})
+    assert r.status_code == 200
+    tokens = r.json()["usage"]["completion_tokens"]
+    deadline, moved = time.monotonic() + 5, 0.0
+    while time.monotonic() < deadline:
+        moved = sample(metrics(server), "kvstore:batch_sessions_per_step_count") \
+            - sample(before, "kvstore:batch_sessions_per_step_count")
+        if moved >= tokens:  # a forward per new token (the prompt's, and the last token's, besides)
+            break
+        time.sleep(0.05)
+    assert moved >= tokens, (moved, tokens)
+
+
 def test_metrics_are_named_like_vllms_and_move(server, a, model):
     text = httpx.get(server.url + "/metrics", timeout=10).text
     families = {f.name for f in text_string_to_metric_families(text)}

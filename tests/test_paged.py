@@ -127,6 +127,32 @@ def test_sequences_of_one_pool_fed_together_compute_as_each_alone(model, tiny, c
         assert all(torch.equal(a, b) for a, b in zip(paged.state(), flat.state())), j
 
 
+def test_a_fork_writing_into_a_shared_block_in_a_step_with_its_parent_copies_it_first(model, tiny):
+    """In one batched step, a fork whose next position lies in a block it shares with its parent gets
+    its own copy at the first layer, and every later layer writes there (the rows' slots are taken
+    once per forward, after the first layer's writes): the parent's bytes stay as they were, and both
+    get the bits they get alone."""
+    ids = tiny("llama-gqa").ids(40)
+    pool = pool_for(model)
+    parent, flat_parent = PagedCache(pool), model.new_cache()
+    run(model, parent, ids)  # 30 positions
+    run(model, flat_parent, ids)
+    child = parent.copy_prefix(20)
+    child.trim(10)  # position 10 lies in block 0, shared with the parent
+    flat_child = model.new_cache()
+    flat_child.load(0, flat_parent.state(0, 10))
+    shared = child.table[0]
+    kept = [s.clone() for s in parent.state()]
+    other = ids[33:36]  # the fork takes another way than the parent's tokens 10..12
+    together = model.feed_rows([(ids[30:31], 30, parent), (other, 10, child)])
+    assert child.table[0] != shared and parent.table[0] == shared
+    assert torch.equal(together[0], model.feed(ids[30:31], 30, flat_parent))
+    assert torch.equal(together[1], model.feed(other, 10, flat_child))
+    assert all(torch.equal(a, b) for a, b in zip(parent.state(0, 30), kept))
+    assert all(torch.equal(a, b) for a, b in zip(parent.state(), flat_parent.state()))
+    assert all(torch.equal(a, b) for a, b in zip(child.state(), flat_child.state()))
+
+
 def test_forks_restored_into_one_pool_share_their_documents_blocks(model, tiny, tmp_path):
     """Two forks of a document, opened from the store into one pool: the second takes the document's
     extents from the blocks the first read (no bytes read again, no blocks spent), with the bits of

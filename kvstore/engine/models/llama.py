@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from ...errors import UnsupportedModel
-from ..attention import attend_items, causal_mask
+from ..attention import Batch, attend_items
 from ..cache import KVCache
 from ..config import ModelConfig, gguf_vocab
 from ..ops import Weight, embed, linear, matvec, rms_norm, rotate_, rows_add_linear, rows_linear, swiglu
@@ -336,13 +336,13 @@ class Llama:
         else:
             cos, sin = self.rope_rows(torch.cat([torch.arange(it.pos, it.pos + s.end - s.start)
                                                  for it, s in zip(items, spans)]).to(ids.device))
-        masks = [causal_mask(it.pos, s.end - s.start, self.dtype, ids.device) for it, s in zip(items, spans)]
+        batch = Batch(items, spans, self.dtype, ids.device)  # masks, and the paged kernel's arguments once made
         x = embed(ids, self.embed, self.dtype)  # [R, hidden]
         for i, L in enumerate(self.layers):
             qkv = rows_linear(rms_norm(x, L.attn_norm2, eps), L.wqkv, L.bqkv, spans)  # [R, (nh + 2 nkv) hd]: q | k | v
             rotate_(qkv[:, :k_end].view(R, nh + nkv, hd), cos, sin)
             q, kv = qkv[:, :q_end].view(R, nh, hd), qkv[:, q_end:].view(R, 2, nkv, hd)  # k | v: cache rows
-            o = attend_items(q, kv, items, spans, i, masks)  # [R, nh hd]
+            o = attend_items(q, kv, batch, i, len(self.layers))  # [R, nh hd]
             x = rows_add_linear(x, o, L.wo, L.bo, spans)
             gate_up = rows_linear(rms_norm(x, L.mlp_norm2, eps), L.w_gate_up, L.b_gate_up, spans)  # [R, 2 ffn]
             x = rows_add_linear(x, swiglu(gate_up), L.w_down, L.b_down, spans)

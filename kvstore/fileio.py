@@ -19,9 +19,12 @@ This module sits below the engine and the store: it imports nothing of kvstore b
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
+import functools
 import os
+import platform
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,6 +90,20 @@ class PosixIO:
 
     def fsync(self, fd: int) -> None:
         os.fsync(fd)
+
+    def fsync_files(self, fds: list[int]) -> None:
+        """Make every write to these files durable: what `fsync` of each does, in one `syncfs` where
+        that is as safe (`syncfs_applies`): it commits the file system's journal once, where each
+        fsync commits it again (a checkpoint's 30 layer files: 6.2 ms of fsyncs, 2.3 ms with one
+        syncfs; AMD EPYC Zen 3, KVM, ext4 on virtio). It also writes back whatever else is dirty in
+        that file system, and fails on a writeback error of any file of it since these were opened."""
+        if len(fds) > 1 and syncfs_applies(fds[0]):
+            if _libc().syncfs(fds[0]) != 0:
+                e = ctypes.get_errno()
+                raise OSError(e, os.strerror(e))
+            return
+        for fd in fds:
+            self.fsync(fd)
 
     def truncate(self, fd: int, length: int) -> None:
         os.ftruncate(fd, length)
@@ -171,6 +188,48 @@ class PosixIO:
             fcntl.flock(fd, fcntl.LOCK_UN)
         finally:
             os.close(fd)
+
+
+# file systems whose syncfs makes every file's data and metadata durable as fsync does (ext4, XFS,
+# Btrfs: a journal or log commit and a cache flush); elsewhere (network, FUSE, overlay, tmpfs and
+# the rest) each file is fsynced
+SYNCFS_FILE_SYSTEMS = {0xEF53: "ext4", 0x58465342: "xfs", 0x9123683E: "btrfs"}
+SYNCFS_REPORTS_ERRORS = (5, 8)  # Linux from 5.8 on: syncfs returns writeback errors (earlier: 0 regardless)
+
+
+@functools.lru_cache(maxsize=1)
+def _libc():
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syncfs.argtypes = [ctypes.c_int]
+    libc.fstatfs.argtypes = [ctypes.c_int, ctypes.c_void_p]
+    return libc
+
+
+@functools.lru_cache(maxsize=1)
+def _kernel_reports_syncfs_errors() -> bool:
+    if platform.system() != "Linux":
+        return False
+    try:
+        major, minor = (int(x) for x in platform.release().split(".")[:2])
+    except ValueError:
+        return False
+    return (major, minor) >= SYNCFS_REPORTS_ERRORS
+
+
+def syncfs_applies(fd: int) -> bool:
+    """Whether one syncfs makes the file `fd` durable as its fsync would, errors reported: Linux 5.8 or
+    later, and a local file system in SYNCFS_FILE_SYSTEMS. $KVSTORE_SYNCFS=0 turns it off."""
+    if os.environ.get("KVSTORE_SYNCFS") == "0" or not _kernel_reports_syncfs_errors():
+        return False
+    try:
+        libc = _libc()
+        libc.syncfs  # noqa: B018 -- a libc without it
+    except (OSError, AttributeError):
+        return False
+    buf = ctypes.create_string_buffer(256)  # struct statfs: f_type, a long, comes first
+    if libc.fstatfs(fd, buf) != 0:
+        return False
+    return ctypes.c_long.from_buffer(buf).value & 0xFFFFFFFF in SYNCFS_FILE_SYSTEMS
 
 
 class Seam:

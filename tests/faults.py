@@ -253,6 +253,11 @@ class FaultyIO(PosixIO):
                 m.durable = replay(m.durable, [c for c in m.pending if not c.lost], "keep", self.rng)
                 m.pending = []
 
+    def fsync_files(self, fds: list[int]) -> None:
+        """As many fsyncs, each an operation (the model has no file system to sync at once)."""
+        for fd in fds:
+            self.fsync(fd)
+
     def truncate(self, fd: int, length: int) -> None:
         self._gate("truncate", self.fds.get(fd))
         super().truncate(fd, length)

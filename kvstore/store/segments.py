@@ -3,9 +3,10 @@
 Each file holds raw `[tokens, 2, n_kv_heads, head_dim]` elements of one layer. An extent is the
 same token range in every layer file, at the same page-aligned offset (C5: new bytes never share a
 page with committed ones). `append` reserves space with posix_fallocate before writing (a full disk
-raises StoreFull, never SIGBUS), writes, and fsyncs the files (and the directory when it created
-files); only then may the caller commit the extent in the index. `read_into` reads an extent and
-verifies its per-layer checksums. All file calls go through `fileio.io`.
+raises StoreFull, never SIGBUS), writes, and fsyncs the files (`fileio.PosixIO.fsync_files`: one
+syncfs where that is as safe) and the directory when it created files; only then may the caller
+commit the extent in the index. `read_into` reads an extent and verifies its per-layer checksums.
+All file calls go through `fileio.io`.
 """
 
 from __future__ import annotations
@@ -77,8 +78,7 @@ def append(directory: Path, committed_end: int, layers: list["torch.Tensor"], *,
             opened.append(path)
             io.allocate(fds[-1], offset, length)
             io.pwrite(fds[-1], d, offset)
-        for fd in fds:
-            io.fsync(fd)
+        io.fsync_files(fds)
         if created or made or not names_synced:
             io.fsync_dir(directory)
             io.fsync_dir(directory.parent)

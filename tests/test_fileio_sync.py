@@ -1,0 +1,127 @@
+"""Making a checkpoint's files durable (`fileio.PosixIO.fsync_files`): one syncfs where that is as
+safe as an fsync of each file (Linux 5.8 or later, ext4 / XFS / Btrfs), else an fsync of each; an
+error of the syncfs is the checkpoint's error (ENOSPC: StoreFull, the head unchanged), and
+KVSTORE_SYNCFS=0 turns it off. (The fault-injection layer models each file's fsync: tests/faults.py.)"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+
+import pytest
+
+import kvstore
+from kvstore import fileio
+from kvstore.errors import StoreFull
+
+
+def open_files(folder, n: int) -> list[int]:
+    fds = []
+    for i in range(n):
+        fd = os.open(folder / f"f{i}", os.O_RDWR | os.O_CREAT, 0o644)
+        os.pwrite(fd, b"x" * 4096, 0)
+        fds.append(fd)
+    return fds
+
+
+@pytest.fixture
+def fsyncs(monkeypatch):
+    """The descriptors os.fsync is called with."""
+    seen: list[int] = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (seen.append(fd), real(fd))[1])
+    return seen
+
+
+class FailingLibc:
+    """libc whose syncfs fails with `err` (and counts its calls); the rest is the real one's."""
+
+    def __init__(self, err: int):
+        self.err, self.calls, self.real = err, 0, fileio._libc()
+
+    def __getattr__(self, name: str):
+        return getattr(self.real, name)
+
+    def syncfs(self, fd: int) -> int:
+        self.calls += 1
+        ctypes.set_errno(self.err)
+        return -1
+
+
+def needs_syncfs(folder) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        if not fileio.syncfs_applies(fd):
+            pytest.skip("syncfs does not apply here (kernel before 5.8, or not ext4 / XFS / Btrfs)")
+    finally:
+        os.close(fd)
+
+
+def test_files_on_a_journalled_local_file_system_are_synced_in_one_call(tmp_path, fsyncs):
+    needs_syncfs(tmp_path)
+    fds = open_files(tmp_path, 5)
+    try:
+        fileio.PosixIO().fsync_files(fds)
+    finally:
+        fileio.close_all(fds)
+    assert fsyncs == []
+
+
+@pytest.mark.parametrize("why", ["one file", "turned off"])
+def test_otherwise_each_file_is_fsynced(tmp_path, fsyncs, monkeypatch, why):
+    if why == "turned off":
+        monkeypatch.setenv("KVSTORE_SYNCFS", "0")
+    fds = open_files(tmp_path, 1 if why == "one file" else 4)
+    try:
+        fileio.PosixIO().fsync_files(fds)
+    finally:
+        fileio.close_all(fds)
+    assert fsyncs == fds
+
+
+def test_a_file_system_without_a_safe_syncfs_gets_an_fsync_per_file(tmp_path, fsyncs, monkeypatch):
+    monkeypatch.setattr(fileio, "SYNCFS_FILE_SYSTEMS", {})  # as on NFS, FUSE, tmpfs, ...
+    fds = open_files(tmp_path, 3)
+    try:
+        fileio.PosixIO().fsync_files(fds)
+    finally:
+        fileio.close_all(fds)
+    assert fsyncs == fds
+
+
+def test_a_failed_syncfs_raises_its_error(tmp_path, monkeypatch):
+    needs_syncfs(tmp_path)
+    libc = FailingLibc(errno.EIO)
+    monkeypatch.setattr(fileio, "_libc", lambda: libc)
+    fds = open_files(tmp_path, 3)
+    try:
+        with pytest.raises(OSError) as caught:
+            fileio.PosixIO().fsync_files(fds)
+    finally:
+        fileio.close_all(fds)
+    assert caught.value.errno == errno.EIO and libc.calls == 1
+
+
+def test_a_checkpoint_whose_syncfs_finds_the_disk_full_is_store_full_and_commits_nothing(tiny, tmp_path, monkeypatch):
+    needs_syncfs(tmp_path)
+    m = tiny("llama-gqa")
+    model = kvstore.load_model(m.folder, dtype="float32")
+    store = kvstore.open_store(tmp_path / "home")
+    s = store.new("s", model, seed=1, chunk_size=8)
+    s.append_tokens(m.ids(16))  # checkpointed: its files exist
+    before = store.info("s")
+    s.seq.add(m.ids(24)[16:])
+    list(s.seq.prefill())
+    libc = FailingLibc(errno.ENOSPC)
+    monkeypatch.setattr(fileio, "_libc", lambda: libc)
+    with pytest.raises(StoreFull):
+        s.checkpoint("test")
+    assert libc.calls == 1
+    after = store.info("s")
+    assert (after.n_tokens, after.n_cached) == (before.n_tokens, before.n_cached)
+    monkeypatch.undo()
+    s.checkpoint("test")  # the disk is back
+    assert store.info("s").n_cached == 24
+    s.close()
+    store.close()

@@ -1,5 +1,6 @@
 """Making a checkpoint's files durable (`fileio.PosixIO.fsync_files`): one syncfs where that is as
-safe as an fsync of each file (Linux 5.8 or later, ext4 / XFS / Btrfs), else an fsync of each; an
+safe as an fsync of each file (Linux 5.8 or later, ext4 / XFS / Btrfs) and little else waits to be
+written (it would be written too), else an fsync of each; an
 error of the syncfs is the checkpoint's error (ENOSPC: StoreFull, the head unchanged), and
 KVSTORE_SYNCFS=0 turns it off. (The fault-injection layer models each file's fsync: tests/faults.py.)"""
 
@@ -22,6 +23,16 @@ def open_files(folder, n: int) -> list[int]:
         fd = os.open(folder / f"f{i}", os.O_RDWR | os.O_CREAT, 0o644)
         os.pwrite(fd, b"x" * 4096, 0)
         fds.append(fd)
+    return fds
+
+
+def sync_new_files(folder, n: int) -> list[int]:
+    """`fsync_files` of n files just written: their (closed) descriptors."""
+    fds = open_files(folder, n)
+    try:
+        fileio.PosixIO().fsync_files(fds)
+    finally:
+        fileio.close_all(fds)
     return fds
 
 
@@ -49,22 +60,21 @@ class FailingLibc:
         return -1
 
 
-def needs_syncfs(folder) -> None:
-    fd = os.open(folder, os.O_RDONLY)
+@pytest.fixture
+def syncfs_here(tmp_path, monkeypatch):
+    """Skips where syncfs does not apply to tmp_path's file system; counts the system's dirty bytes
+    as none (what else is waiting to be written depends on the machine's moment)."""
+    fd = os.open(tmp_path, os.O_RDONLY)
     try:
         if not fileio.syncfs_applies(fd):
             pytest.skip("syncfs does not apply here (kernel before 5.8, or not ext4 / XFS / Btrfs)")
     finally:
         os.close(fd)
+    monkeypatch.setattr(fileio, "dirty_bytes", lambda: 0)
 
 
-def test_files_on_a_journalled_local_file_system_are_synced_in_one_call(tmp_path, fsyncs):
-    needs_syncfs(tmp_path)
-    fds = open_files(tmp_path, 5)
-    try:
-        fileio.PosixIO().fsync_files(fds)
-    finally:
-        fileio.close_all(fds)
+def test_files_on_a_journalled_local_file_system_are_synced_in_one_call(tmp_path, fsyncs, syncfs_here):
+    sync_new_files(tmp_path, 5)
     assert fsyncs == []
 
 
@@ -72,26 +82,30 @@ def test_files_on_a_journalled_local_file_system_are_synced_in_one_call(tmp_path
 def test_otherwise_each_file_is_fsynced(tmp_path, fsyncs, monkeypatch, why):
     if why == "turned off":
         monkeypatch.setenv("KVSTORE_SYNCFS", "0")
-    fds = open_files(tmp_path, 1 if why == "one file" else 4)
-    try:
-        fileio.PosixIO().fsync_files(fds)
-    finally:
-        fileio.close_all(fds)
+    fds = sync_new_files(tmp_path, 1 if why == "one file" else 4)
     assert fsyncs == fds
 
 
 def test_a_file_system_without_a_safe_syncfs_gets_an_fsync_per_file(tmp_path, fsyncs, monkeypatch):
     monkeypatch.setattr(fileio, "SYNCFS_FILE_SYSTEMS", {})  # as on NFS, FUSE, tmpfs, ...
-    fds = open_files(tmp_path, 3)
-    try:
-        fileio.PosixIO().fsync_files(fds)
-    finally:
-        fileio.close_all(fds)
+    fds = sync_new_files(tmp_path, 3)
     assert fsyncs == fds
 
 
-def test_a_failed_syncfs_raises_its_error(tmp_path, monkeypatch):
-    needs_syncfs(tmp_path)
+def test_much_dirty_data_elsewhere_gets_an_fsync_per_file(tmp_path, fsyncs, syncfs_here, monkeypatch):
+    """Another process's big unsynced write would make a syncfs wait for all of it."""
+    monkeypatch.setattr(fileio, "dirty_bytes", lambda: fileio.SYNCFS_MAX_DIRTY + 1)
+    fds = sync_new_files(tmp_path, 3)
+    assert fsyncs == fds
+
+
+def test_dirty_bytes_reads_the_kernels_count():
+    if not os.path.exists("/proc/meminfo"):
+        pytest.skip("no /proc/meminfo")
+    assert 0 <= fileio.dirty_bytes() < os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def test_a_failed_syncfs_raises_its_error(tmp_path, syncfs_here, monkeypatch):
     libc = FailingLibc(errno.EIO)
     monkeypatch.setattr(fileio, "_libc", lambda: libc)
     fds = open_files(tmp_path, 3)
@@ -103,8 +117,8 @@ def test_a_failed_syncfs_raises_its_error(tmp_path, monkeypatch):
     assert caught.value.errno == errno.EIO and libc.calls == 1
 
 
-def test_a_checkpoint_whose_syncfs_finds_the_disk_full_is_store_full_and_commits_nothing(tiny, tmp_path, monkeypatch):
-    needs_syncfs(tmp_path)
+def test_a_checkpoint_whose_syncfs_finds_the_disk_full_is_store_full_and_commits_nothing(tiny, tmp_path, syncfs_here,
+                                                                                           monkeypatch):
     m = tiny("llama-gqa")
     model = kvstore.load_model(m.folder, dtype="float32")
     store = kvstore.open_store(tmp_path / "home")

@@ -213,9 +213,13 @@ def dirty_bytes() -> int:
 
 @functools.lru_cache(maxsize=1)
 def _libc():
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.syncfs.argtypes = [ctypes.c_int]
-    libc.fstatfs.argtypes = [ctypes.c_int, ctypes.c_void_p]
+    """This process's C library with syncfs and fstatfs declared, or None where it lacks them."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.syncfs.argtypes = [ctypes.c_int]
+        libc.fstatfs.argtypes = [ctypes.c_int, ctypes.c_void_p]
+    except (OSError, AttributeError):
+        return None
     return libc
 
 
@@ -235,10 +239,8 @@ def syncfs_applies(fd: int) -> bool:
     later, and a local file system in SYNCFS_FILE_SYSTEMS. $KVSTORE_SYNCFS=0 turns it off."""
     if os.environ.get("KVSTORE_SYNCFS") == "0" or not _kernel_reports_syncfs_errors():
         return False
-    try:
-        libc = _libc()
-        libc.syncfs  # noqa: B018 -- a libc without it
-    except (OSError, AttributeError):
+    libc = _libc()
+    if libc is None:
         return False
     buf = ctypes.create_string_buffer(256)  # struct statfs: f_type, a long, comes first
     if libc.fstatfs(fd, buf) != 0:

@@ -68,10 +68,11 @@ def attend(q: torch.Tensor, kv: torch.Tensor, cache: KVCache | None, layer: int,
 
 class Batch:
     """The items of one forward (`rows.Item`s, their `Span`s) as attention sees them in every layer:
-    each item's causal mask (made when first needed: the native kernel needs none) and, where the native kernel reads their caches in one shared paged pool
-    (a server's), what its call takes besides q, made once per forward at its first layer (after that
-    layer's writes have given every item its blocks): the block tables `[S, width]`, each row's
-    sequence and length, and each new row's slot in the pool. Every later layer then writes all the
+    each item's causal mask (made when first needed: the native kernel needs none) and, where the
+    native kernel reads their caches in one shared paged pool (a server's), what its call takes
+    besides q, made once per forward at its first layer (after that layer's writes have given every
+    item its blocks): the block tables `[S, width]`, each row's sequence and length, and each new
+    row's slot in the pool. Every later layer then writes all the
     items' K/V rows with one copy and calls the kernel with the same tensors, instead of doing that
     work per item and per layer (8 sessions of 512 tokens: 6 of a step's 22 ms, AMD EPYC Zen 3)."""
 
@@ -132,7 +133,7 @@ def attend_items(q: torch.Tensor, kv: torch.Tensor, batch: Batch, layer: int, n_
     n_kv, hd]` -> `[R, n_heads * hd]`. Sequences whose caches share one paged pool (a server's) go
     through the native kernel in one call, each row through its own sequence's block table, which
     gives each row the bits of its sequence's own call; others, one by one."""
-    shared = batch.shared_pool(q) if len(batch.items) > 1 else None
+    shared = batch.shared_pool(q)
     if shared is None:
         parts = [attend(q[s.start:s.end], kv[s.start:s.end], it.cache, layer, it.pos, m)
                  for it, s, m in zip(batch.items, batch.spans, batch.masks)]

@@ -239,6 +239,10 @@ class FaultyIO(PosixIO):
         self._gate("pread", self.fds.get(fd))
         return super().pread_into(fd, buf, offset)
 
+    def pread_direct_into(self, fd: int, buf, offset: int) -> int:
+        self._gate("pread", self.fds.get(fd))
+        return super().pread_direct_into(fd, buf, offset)
+
     def fsync(self, fd: int) -> None:
         path = self.fds.get(fd)
         if (err := self._op("fsync", path)) is not None:

@@ -150,7 +150,9 @@ def read_extent(directory: Path, layer: int, offset: int, nbytes: int, *, what: 
 def read_extents_into(directory: Path, layer: int, reads: list[ExtentRead]) -> None:
     """Fill each read's `data` from one layer file, opened once, and check each one's checksum as
     soon as it is read, while its bytes are still in the CPU's cache. CorruptData names the extent
-    and the file when the file is missing, short or truncated, or the bytes are not what was written."""
+    and the file when the file is missing, short or truncated, or the bytes are not what was written.
+    When the page cache lacks part of what the reads cover, they come straight from the disk
+    (`fileio.PosixIO.pread_direct_into`)."""
     path = layer_path(directory, layer)
     try:
         fd = io.open_read(path)
@@ -159,11 +161,14 @@ def read_extents_into(directory: Path, layer: int, reads: list[ExtentRead]) -> N
                           "(restore it from an export, or delete it)") from None
     try:
         size = io.size(fd)
+        start = min(r.offset for r in reads)
+        direct = io.uncached(fd, start, max(r.offset + r.data.nbytes for r in reads) - start)
         for r in reads:
             if size < r.offset + r.data.nbytes:
                 raise CorruptData(f"{r.what}: file {path.name} is truncated ({size} bytes, the extent needs "
                                   f"{r.offset + r.data.nbytes}); the session cannot be restored")
-            if io.pread_into(fd, r.data, r.offset) != r.data.nbytes:
+            got = (io.pread_direct_into if direct else io.pread_into)(fd, r.data, r.offset)
+            if got != r.data.nbytes:
                 raise CorruptData(f"{r.what}: short read from {path.name}")
             if r.checksum is not None and codec.checksum(r.data) != r.checksum:  # the message only when needed
                 verify(r.data, r.checksum, what=f"{r.what} ({directory.name}/{path.name})")

@@ -1,0 +1,192 @@
+"""Reading past the page cache (`kvstore.direct_io`, `fileio.PosixIO.uncached` / `pread_direct_into`):
+a restore whose layer files are not in the page cache reads them with direct I/O.
+
+A direct read returns exactly the bytes a plain read does, wherever the destination sits and
+whatever the offset and length (aligned middle straight in, ends through the bounce buffer, or all
+of it bounced); a range the page cache lacks is `uncached`, one it holds is not; a session restored
+from evicted files continues exactly (trace equal to an uninterrupted run) and its damaged bytes are
+still caught; where direct I/O is refused the read is a plain one.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import kvstore
+import store_harness as H
+from kvstore import direct_io, fileio
+from kvstore.errors import CorruptData
+
+ALIGN = direct_io.ALIGN
+
+
+def write_file(path, nbytes: int, seed: int = 0) -> bytes:
+    data = np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8).tobytes()
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        os.pwrite(fd, data, 0)
+        os.fsync(fd)  # clean pages: the kernel may drop them (`evict`)
+    finally:
+        os.close(fd)
+    return data
+
+
+def evict(path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def direct_io_works(folder) -> bool:
+    probe = folder / "probe"
+    write_file(probe, 2 * ALIGN)
+    try:
+        os.close(os.open(probe, os.O_RDONLY | os.O_DIRECT))
+    except (OSError, AttributeError):
+        return False
+    finally:
+        probe.unlink()
+    return True
+
+
+@pytest.fixture
+def big_file(tmp_path):
+    if not direct_io_works(tmp_path):
+        pytest.skip("this file system refuses direct I/O")
+    path = tmp_path / "data"
+    return path, write_file(path, 3 * direct_io.BOUNCE + 12345)  # several bounce buffers, an odd end
+
+
+def offset_buffer(nbytes: int, misalign: int) -> np.ndarray:
+    """nbytes of writable memory starting `misalign` bytes past a page boundary."""
+    whole = np.frombuffer(bytearray(nbytes + 2 * ALIGN), np.uint8)
+    start = -whole.ctypes.data % ALIGN + misalign
+    return whole[start:start + nbytes]
+
+
+@pytest.mark.parametrize("offset, nbytes, misalign", [
+    (0, 64 << 10, 0),                        # aligned everything: straight in
+    (768 * 5, 768 * 300, 768 * 5 % ALIGN),   # token rows: memory and file agree modulo ALIGN
+    (768 * 5, 768 * 300, 0),                 # they do not: all through the bounce buffer
+    (100, 3 * direct_io.BOUNCE, 100),        # longer than the bounce buffer, head and tail partial
+    (777, 3 * direct_io.BOUNCE + 5, 3),      # bounced in several pieces
+    (12, 1000, 12),                          # under two blocks
+])
+def test_a_direct_read_returns_the_bytes_of_a_plain_read(big_file, offset, nbytes, misalign):
+    path, data = big_file
+    out = offset_buffer(nbytes, misalign)
+    out[:] = 0xAB
+    with open(path, "rb") as f:
+        assert direct_io.pread_direct(f.fileno(), out, offset) == nbytes
+    assert out.tobytes() == data[offset:offset + nbytes]
+
+
+def test_a_direct_read_past_the_end_of_the_file_is_short(big_file):
+    path, data = big_file
+    out = offset_buffer(3 * ALIGN, 0)
+    start = len(data) - 1000
+    with open(path, "rb") as f:
+        assert direct_io.pread_direct(f.fileno(), out, start) == 1000
+    assert out[:1000].tobytes() == data[start:]
+
+
+def test_a_range_out_of_the_page_cache_is_uncached_and_one_in_it_is_not(big_file):
+    path, data = big_file
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if direct_io.cached_pages(fd, 0, len(data)) is None:
+            pytest.skip("this kernel cannot say what is in the page cache (cachestat: Linux 6.5+)")
+        io = fileio.PosixIO()
+        os.pread(fd, len(data), 0)
+        assert not io.uncached(fd, 0, len(data))
+        evict(path)
+        assert io.uncached(fd, 0, len(data))
+        assert not io.uncached(fd, 0, fileio.DIRECT_MIN - 1)  # small reads stay plain
+    finally:
+        os.close(fd)
+
+
+@pytest.fixture
+def every_read_direct(monkeypatch):
+    """Reads of any size past a cold page cache go direct; the direct reads made, counted."""
+    monkeypatch.setattr(fileio, "DIRECT_MIN", 0)
+    calls = []
+    real = fileio.PosixIO.pread_direct_into
+    monkeypatch.setattr(fileio.PosixIO, "pread_direct_into",
+                        lambda self, fd, buf, offset: (calls.append(offset), real(self, fd, buf, offset))[1])
+    return calls
+
+
+def evicted_session(tmp_path, model, reference):
+    """A session closed after a third of the reference's tokens, its layer files out of the page cache."""
+    if not direct_io_works(tmp_path):
+        pytest.skip("this file system refuses direct I/O")
+    store = kvstore.open_store(tmp_path / "home")
+    s = store.new("s", model, seed=5, chunk_size=16, checkpoint_every=4)
+    s.append_text(H.DOCUMENT)
+    trace = tmp_path / "t.jsonl"
+    list(s.generate(N_NEW // 3, trace=trace, stop_at_eos=False))
+    live = [t.clone() for t in s.seq.cache.state()]
+    s.close()
+    files = sorted((tmp_path / "home" / "sessions").rglob("layer-*.kv"))
+    for f in files:
+        evict(f)
+    with open(files[0], "rb") as f:
+        if direct_io.cached_pages(f.fileno(), 0, os.path.getsize(files[0])) is None:
+            pytest.skip("this kernel cannot say what is in the page cache (cachestat: Linux 6.5+)")
+    return store, trace, live, files
+
+
+N_NEW = 30
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, model):
+    tmp = tmp_path_factory.mktemp("reference")
+    trace = tmp / "reference.jsonl"
+    tokens = H.reference_run(tmp / "home", model, "ref", N_NEW, trace)
+    return tokens, H.by_position(H.read_trace(trace))
+
+
+def test_a_session_restored_from_evicted_files_continues_exactly(tmp_path, model, reference, every_read_direct):
+    store, trace, live, files = evicted_session(tmp_path, model, reference)
+    with store.open("s", model) as s:
+        assert len(every_read_direct) >= len(files)  # every layer file read past the page cache
+        assert all(torch.equal(a, b) for a, b in zip(live, s.seq.cache.state()))
+        list(s.generate(N_NEW - N_NEW // 3, trace=trace, stop_at_eos=False))
+        H.assert_matches(reference, s.tokens, H.read_trace(trace))
+
+
+def test_a_flipped_byte_is_caught_on_the_direct_path(tmp_path, model, reference, every_read_direct):
+    store, _, _, files = evicted_session(tmp_path, model, reference)
+    fd = os.open(files[-1], os.O_RDWR)
+    try:
+        byte = os.pread(fd, 1, 100)
+        os.pwrite(fd, bytes([byte[0] ^ 0x10]), 100)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    evict(files[-1])
+    with pytest.raises(CorruptData, match=f"layer {len(files) - 1}.*checksum mismatch"):
+        store.open("s", model)
+    assert every_read_direct
+
+
+def test_where_direct_io_is_refused_the_read_is_a_plain_one(tmp_path, model, reference, every_read_direct,
+                                                            monkeypatch):
+    store, trace, live, _ = evicted_session(tmp_path, model, reference)
+
+    def refuse(fd, buf, offset):
+        raise OSError(errno.EINVAL, "direct I/O not supported")
+
+    monkeypatch.setattr(direct_io, "pread_direct", refuse)
+    with store.open("s", model) as s:
+        assert every_read_direct  # asked for, refused, read plainly
+        assert all(torch.equal(a, b) for a, b in zip(live, s.seq.cache.state()))

@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
-from sqlalchemy import Connection, select
+from sqlalchemy import Connection, bindparam, select
 from sqlalchemy.orm import Session as DB
 
 from ..errors import CorruptData
@@ -46,18 +46,20 @@ def kv_bytes(ref: ExtentRef) -> int:
     return ref.raw_size * len(ref.checksums)
 
 
+_se, _ex, _seg, _blob = SessionExtentRow, ExtentRow, SegmentRow, BlobRow
+EXTENTS = (select(_se.start, _se.n_tokens, _ex.id, _ex.segment_id, _ex.offset, _ex.n_tokens, _ex.checksums,
+                  _seg.token_bytes, _blob.hash, _blob.frames, _blob.size, _blob.file_checksum)
+           .join(ExtentRow, _se.extent_id == _ex.id)
+           .join(SegmentRow, _ex.segment_id == _seg.id)
+           .outerjoin(ExtentBlobRow, ExtentBlobRow.extent_id == _ex.id)
+           .outerjoin(BlobRow, _blob.hash == ExtentBlobRow.blob_hash)
+           .where(_se.session_id == bindparam("session_id"))
+           .order_by(_se.start))  # made once: building it cost as much as running it
+
+
 def session_extents(db: DB | Connection, session_id: str) -> list[ExtentRef]:
     """The session's extents in order (columns, not ORM objects: an ORM session or a connection)."""
-    se, ex, seg, blob = SessionExtentRow, ExtentRow, SegmentRow, BlobRow
-    rows = db.execute(
-        select(se.start, se.n_tokens, ex.id, ex.segment_id, ex.offset, ex.n_tokens, ex.checksums, seg.token_bytes,
-               blob.hash, blob.frames, blob.size, blob.file_checksum)
-        .join(ExtentRow, se.extent_id == ex.id)
-        .join(SegmentRow, ex.segment_id == seg.id)
-        .outerjoin(ExtentBlobRow, ExtentBlobRow.extent_id == ex.id)
-        .outerjoin(BlobRow, blob.hash == ExtentBlobRow.blob_hash)
-        .where(se.session_id == session_id)
-        .order_by(se.start))
+    rows = db.execute(EXTENTS, {"session_id": session_id})
     return [ExtentRef(start, used, extent_id, segment_id, offset, n_tokens, list(checksums), token_bytes,
                       None if digest is None else BlobRow(hash=digest, frames=frames, size=size, file_checksum=fcs))
             for (start, used, extent_id, segment_id, offset, n_tokens, checksums, token_bytes,

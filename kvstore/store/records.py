@@ -18,7 +18,7 @@ import uuid
 from typing import Any
 
 import numpy as np
-from sqlalchemy import Connection, select
+from sqlalchemy import Connection, bindparam, select
 from sqlalchemy.orm import Session as DB
 
 from ..defaults import WEIGHT_FORMATS
@@ -141,11 +141,17 @@ def share(db: DB, parent: SessionRow, child: SessionRow, n_cached: int, *, keys:
         db.add(PrefixKeyRow(session_id=child.id, position=position, key=key))
 
 
+# statements of an open, made once (building one costs about as much as running it)
+TOKEN_BLOCKS = (select(TokenBlockRow.start, TokenBlockRow.ids).where(TokenBlockRow.session_id == bindparam("session_id"))
+                .order_by(TokenBlockRow.start))
+MESSAGES = (select(*[getattr(MessageRow, k) for k in MESSAGE_FIELDS])
+            .where(MessageRow.session_id == bindparam("session_id")).order_by(MessageRow.ordinal))
+
+
 def read_tokens(db: DB | Connection, session_id: str) -> list[int]:
     """The session's token ids; CorruptData when its blocks do not follow each other exactly."""
     out: list[int] = []
-    for start, ids in db.execute(select(TokenBlockRow.start, TokenBlockRow.ids)
-                                 .where(TokenBlockRow.session_id == session_id).order_by(TokenBlockRow.start)):
+    for start, ids in db.execute(TOKEN_BLOCKS, {"session_id": session_id}):
         if start != len(out):
             raise CorruptData(token_gap(start, len(out)))
         out.extend(np.frombuffer(ids, dtype="<i4").tolist())
@@ -171,9 +177,7 @@ def message_dict(m: MessageRow) -> dict[str, Any]:
 
 def read_messages(db: DB | Connection, session_id: str) -> list[dict[str, Any]]:
     """The session's chat messages in order, as dicts of MESSAGE_FIELDS."""
-    columns = [getattr(MessageRow, k) for k in MESSAGE_FIELDS]
-    return [dict(zip(MESSAGE_FIELDS, m)) for m in db.execute(select(*columns).where(MessageRow.session_id == session_id)
-                                                             .order_by(MessageRow.ordinal))]
+    return [dict(zip(MESSAGE_FIELDS, m)) for m in db.execute(MESSAGES, {"session_id": session_id})]
 
 
 def last_state_problem(n_tokens: int, n_cached: int, state: bytes | None, size: int | None) -> str | None:

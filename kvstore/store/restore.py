@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Connection, Row, select
+from sqlalchemy import Connection, Row, bindparam, select
 from sqlalchemy.orm import Session as DB
 
 from ..errors import CorruptData, ModelMismatch, SessionNotFound
@@ -22,6 +22,10 @@ from . import segments
 from .extents import ExtentRef, load_into, session_extents
 from .index import ModelRow, SegmentRow, SessionRow
 from .records import kv_layout, last_state_problem, read_messages, read_tokens
+
+
+HEAD = (select(*SessionRow.__table__.c, SegmentRow.committed_end).join(SegmentRow, SegmentRow.id == SessionRow.id)
+        .where(SessionRow.id == bindparam("session_id")))  # made once, as the other statements of an open
 
 
 @dataclass
@@ -39,8 +43,7 @@ def snapshot(store, session_id: str, model) -> Snapshot:
     Plain column queries on a connection, not ORM objects: an open is a few milliseconds, and the
     ORM's bookkeeping was a good part of them."""
     with store.engine.begin() as db:  # one snapshot, and the index's write lock while truncating
-        row = db.execute(select(*SessionRow.__table__.c, SegmentRow.committed_end)
-                         .join(SegmentRow, SegmentRow.id == SessionRow.id).where(SessionRow.id == session_id)).first()
+        row = db.execute(HEAD, {"session_id": session_id}).first()
         if row is None:
             raise SessionNotFound("the session was deleted while it was being opened")
         check_model(db, row, model)

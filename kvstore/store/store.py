@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import delete, select, update
+from sqlalchemy import bindparam, delete, select, update
 from sqlalchemy.exc import DatabaseError, OperationalError
 from sqlalchemy.orm import Session as DB
 
@@ -41,6 +41,7 @@ from .records import (add_session, check_name, claim_name, fork_rows, kv_layout,
 from .verify import verify_store
 
 NEW_NAME_TAKEN = "pick another name, `kvstore continue {name}` or `kvstore rm {name}`"
+SESSION_ID = select(SessionRow.id).where(SessionRow.name == bindparam("name"))  # the first step of an open
 
 
 class Store:
@@ -76,7 +77,7 @@ class Store:
         SessionNotFound when there is none."""
         check_name(name)
         with self.engine.connect() as db:
-            found = db.scalar(select(SessionRow.id).where(SessionRow.name == name))
+            found = db.scalar(SESSION_ID, {"name": name})
         if found is None:
             raise self.not_found(name)
         return found

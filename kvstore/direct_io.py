@@ -9,7 +9,8 @@ through the page cache in pieces, 30 files at once, and that took 30-60 ms for t
 
 - `cached_pages(fd, offset, nbytes)`: pages of the range in the page cache, from `cachestat` (Linux
   6.5+); None where the kernel cannot say, and then every read stays a plain one.
-- `pread_direct(fd, buf, offset)`: fill `buf` with direct I/O. Direct I/O needs the file offset,
+- `pread_direct(fd, bufs, offset)`: fill `bufs` (one buffer, or several filled in order: one
+  read where all are aligned) with direct I/O. Direct I/O needs the file offset,
   the length and the memory to be multiples of ALIGN; where the destination sits at the same place
   modulo ALIGN as the file offset (a session's cache and its own files: both token-major from
   aligned starts) the aligned middle is read straight into it and only the partial blocks at its
@@ -39,6 +40,7 @@ ALIGN = 4096  # direct I/O alignment: the largest logical block of the disks we 
 BOUNCE = 1 << 20  # bytes of the bounce buffer (per thread) for the parts that cannot go straight in
 CACHESTAT = 451  # the syscall's number, the same on every Linux architecture we run on (6.5+)
 CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+IOV_MAX = 1024  # buffers one preadv may take (Linux's UIO_MAXIOV)
 
 
 class _Range(ctypes.Structure):
@@ -99,16 +101,32 @@ def _bounce() -> np.ndarray:
     return buf
 
 
-def _read_exact(dfd: int, view: memoryview, offset: int) -> int:
-    """Direct reads of `view` (aligned memory and length) from `offset` (aligned) until it is full
-    or the file ends; the bytes read."""
-    total = 0
-    while total < len(view):
-        n = os.preadv(dfd, [view[total:]], offset + total)
+def views_of(bufs) -> list[memoryview]:
+    """A writable buffer, or a list of them, as byte views."""
+    return [memoryview(b).cast("B") for b in (bufs if isinstance(bufs, (list, tuple)) else [bufs])]
+
+
+def preadv_all(fd: int, views: list[memoryview], offset: int) -> int:
+    """Fill `views` in order from `offset` (one preadv each time, resumed after a short read) until
+    they are full or the file ends; the bytes read."""
+    total, rest = 0, [v for v in views if len(v)]
+    while rest:
+        n = os.preadv(fd, rest[:IOV_MAX], offset + total)
         if n == 0:
             break
         total += n
+        while rest and n >= len(rest[0]):  # drop the views filled, cut into the one partly filled
+            n -= len(rest[0])
+            rest.pop(0)
+        if rest and n:
+            rest[0] = rest[0][n:]
     return total
+
+
+def _read_exact(dfd: int, view: memoryview, offset: int) -> int:
+    """Direct reads of `view` (aligned memory and length) from `offset` (aligned) until it is full
+    or the file ends; the bytes read."""
+    return preadv_all(dfd, [view], offset)
 
 
 def _bounced(dfd: int, dest: memoryview, offset: int) -> int:
@@ -131,23 +149,41 @@ def _bounced(dfd: int, dest: memoryview, offset: int) -> int:
     return done
 
 
-def pread_direct(fd: int, buf, offset: int) -> int:
-    """`buf` (writable, contiguous) filled from `offset` of the file `fd` with direct I/O; the bytes
-    read (short at the end of the file). OSError where direct I/O is refused."""
-    view = memoryview(buf).cast("B")
-    n = len(view)
+def _address(view: memoryview) -> int:
+    return np.frombuffer(view, np.uint8).ctypes.data if len(view) else 0
+
+
+def pread_direct(fd: int, bufs, offset: int) -> int:
+    """`bufs` (a writable buffer, or a list of them filled in order) from `offset` of the file `fd`
+    with direct I/O; the bytes read (short at the end of the file). OSError where direct I/O is
+    refused. Buffers that are all aligned (memory and length), from an aligned offset, are one read."""
+    views = views_of(bufs)
     dfd = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_DIRECT | CLOEXEC)  # the same file, opened for direct I/O
     try:
-        address = np.frombuffer(view, np.uint8).ctypes.data if n else 0
-        if n < 2 * ALIGN or (address - offset) % ALIGN:
-            return _bounced(dfd, view, offset)
-        head = -offset % ALIGN  # bytes before the first aligned file offset
-        body = (n - head) // ALIGN * ALIGN
-        if _bounced(dfd, view[:head], offset) < head:
-            return head  # cannot happen for a file the caller sized, but never claim more than was read
-        got = _read_exact(dfd, view[head:head + body], offset + head)
-        if got < body:
-            return head + got
-        return head + body + _bounced(dfd, view[head + body:], offset + head + body)
+        if offset % ALIGN == 0 and all(len(v) % ALIGN == 0 and _address(v) % ALIGN == 0 for v in views):
+            return preadv_all(dfd, views, offset)
+        total = 0
+        for view in views:
+            got = _one(dfd, view, offset + total)
+            total += got
+            if got < len(view):
+                break
+        return total
     finally:
         os.close(dfd)
+
+
+def _one(dfd: int, view: memoryview, offset: int) -> int:
+    """One buffer by direct I/O: its aligned middle straight in where memory and file offset agree
+    modulo ALIGN, the rest (or all of it) through the bounce buffer."""
+    n = len(view)
+    if n < 2 * ALIGN or (_address(view) - offset) % ALIGN:
+        return _bounced(dfd, view, offset)
+    head = -offset % ALIGN  # bytes before the first aligned file offset
+    body = (n - head) // ALIGN * ALIGN
+    if _bounced(dfd, view[:head], offset) < head:
+        return head  # cannot happen for a file the caller sized, but never claim more than was read
+    got = _read_exact(dfd, view[head:head + body], offset + head)
+    if got < body:
+        return head + got
+    return head + body + _bounced(dfd, view[head + body:], offset + head + body)

@@ -190,3 +190,31 @@ def test_where_direct_io_is_refused_the_read_is_a_plain_one(tmp_path, model, ref
     with store.open("s", model) as s:
         assert every_read_direct  # asked for, refused, read plainly
         assert all(torch.equal(a, b) for a, b in zip(live, s.seq.cache.state()))
+
+
+@pytest.mark.parametrize("sizes, misalign", [
+    ([4 * ALIGN, 8 * ALIGN, ALIGN], 0),   # all aligned: one direct read
+    ([768 * 16, 768 * 48, 768 * 7], 0),   # token rows: the first two aligned, the last not
+    ([1000, 5000, 123], 17),              # nothing aligned: each through the bounce buffer
+])
+@pytest.mark.parametrize("direct", [True, False])
+def test_a_list_of_buffers_is_filled_in_order(big_file, sizes, misalign, direct):
+    path, data = big_file
+    whole = offset_buffer(sum(sizes), misalign)
+    bufs, at = [], 0
+    for n in sizes:  # pieces of one allocation, one after the other
+        bufs.append(whole[at:at + n])
+        at += n
+    offset = 3 * ALIGN if misalign == 0 else 999
+    with open(path, "rb") as f:
+        read = direct_io.pread_direct if direct else fileio.PosixIO().pread_into
+        assert read(f.fileno(), bufs, offset) == sum(sizes)
+    assert b"".join(b.tobytes() for b in bufs) == data[offset:offset + sum(sizes)]
+
+
+def test_more_buffers_than_one_preadv_takes(big_file):
+    path, data = big_file
+    bufs = [np.zeros(10, np.uint8) for _ in range(direct_io.IOV_MAX + 5)]
+    with open(path, "rb") as f:
+        assert fileio.PosixIO().pread_into(f.fileno(), bufs, 7) == 10 * len(bufs)
+    assert b"".join(b.tobytes() for b in bufs) == data[7:7 + 10 * len(bufs)]

@@ -148,10 +148,10 @@ def read_extent(directory: Path, layer: int, offset: int, nbytes: int, *, what: 
 
 
 def read_extents_into(directory: Path, layer: int, reads: list[ExtentRead]) -> None:
-    """Fill each read's `data` from one layer file, opened once, and check each one's checksum as
-    soon as it is read, while its bytes are still in the CPU's cache. CorruptData names the extent
-    and the file when the file is missing, short or truncated, or the bytes are not what was written.
-    When the page cache lacks part of what the reads cover, they come straight from the disk
+    """Fill each read's `data` from one layer file, opened once (reads that follow each other in
+    the file in one call), and check each one's checksum. CorruptData names the extent and the file
+    when the file is missing, short or truncated, or the bytes are not what was written. When the
+    page cache lacks part of what the reads cover, they come straight from the disk
     (`fileio.PosixIO.pread_direct_into`)."""
     path = layer_path(directory, layer)
     try:
@@ -162,18 +162,32 @@ def read_extents_into(directory: Path, layer: int, reads: list[ExtentRead]) -> N
     try:
         size = io.size(fd)
         start = min(r.offset for r in reads)
-        direct = io.uncached(fd, start, max(r.offset + r.data.nbytes for r in reads) - start)
-        for r in reads:
-            if size < r.offset + r.data.nbytes:
-                raise CorruptData(f"{r.what}: file {path.name} is truncated ({size} bytes, the extent needs "
-                                  f"{r.offset + r.data.nbytes}); the session cannot be restored")
-            got = (io.pread_direct_into if direct else io.pread_into)(fd, r.data, r.offset)
-            if got != r.data.nbytes:
-                raise CorruptData(f"{r.what}: short read from {path.name}")
-            if r.checksum is not None and codec.checksum(r.data) != r.checksum:  # the message only when needed
-                verify(r.data, r.checksum, what=f"{r.what} ({directory.name}/{path.name})")
+        read = io.pread_direct_into if io.uncached(fd, start, max(r.offset + r.data.nbytes for r in reads) - start) \
+            else io.pread_into
+        for run in _adjacent(reads):  # one read for extents that follow each other in the file
+            end = run[-1].offset + run[-1].data.nbytes
+            if size < end:
+                cut = next(r for r in run if size < r.offset + r.data.nbytes)
+                raise CorruptData(f"{cut.what}: file {path.name} is truncated ({size} bytes, the extent needs "
+                                  f"{cut.offset + cut.data.nbytes}); the session cannot be restored")
+            if read(fd, [r.data for r in run], run[0].offset) != end - run[0].offset:
+                raise CorruptData(f"{run[0].what}: short read from {path.name}")
+            for r in run:
+                if r.checksum is not None and codec.checksum(r.data) != r.checksum:  # the message only when needed
+                    verify(r.data, r.checksum, what=f"{r.what} ({directory.name}/{path.name})")
     finally:
         io.close(fd)
+
+
+def _adjacent(reads: list[ExtentRead]) -> list[list[ExtentRead]]:
+    """`reads` in runs whose file ranges follow each other."""
+    runs: list[list[ExtentRead]] = []
+    for r in reads:
+        if runs and runs[-1][-1].offset + runs[-1][-1].data.nbytes == r.offset:
+            runs[-1].append(r)
+        else:
+            runs.append([r])
+    return runs
 
 
 def verify(data: np.ndarray, expected: str, *, what: str) -> None:

@@ -472,9 +472,10 @@ def save_section(r: dict) -> list[str]:
              "transformers' `DynamicCache` from a real HF prefill, written with `torch.save` or safetensors "
              "and read back into a `DynamicCache`; llama.cpp's `llama_state_seq_save_file` / `_load_file`. "
              "Every save ends with its bytes fsynced (kvstore's checkpoints are durable; the peers' files get "
-             "an fsync). Restore cold: the files evicted from the page cache first, and for kvstore no memory to "
-             "reuse (a new process's first open); warm: the next restore, page cache warm (kvstore reuses the "
-             "memory of the session it closed, as llama.cpp restores into the KV buffer its context holds).", ""]
+             "an fsync). Restore warm: right after the save, its files in the page cache (kvstore reuses the "
+             "memory of the session it closed, as llama.cpp restores into the KV buffer its context holds); then "
+             "cold: the files evicted from the page cache, and for kvstore no memory to reuse (a new process's "
+             "first open; kvstore reads files the page cache lacks with direct I/O where the kernel can say so).", ""]
     for n, methods in r["save_restore"].items():
         raw = int(n) * r["settings"]["kv_bytes_per_token"]
         lines += [f"**{label(n)} tokens** (raw bf16 KV: {mb(raw)})", "",

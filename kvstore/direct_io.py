@@ -9,13 +9,15 @@ through the page cache in pieces, 30 files at once, and that took 30-60 ms for t
 
 - `cached_pages(fd, offset, nbytes)`: pages of the range in the page cache, from `cachestat` (Linux
   6.5+); None where the kernel cannot say, and then every read stays a plain one.
-- `pread_direct(fd, bufs, offset)`: fill `bufs` (one buffer, or several filled in order: one
-  read where all are aligned) with direct I/O. Direct I/O needs the file offset,
-  the length and the memory to be multiples of ALIGN; where the destination sits at the same place
-  modulo ALIGN as the file offset (a session's cache and its own files: both token-major from
-  aligned starts) the aligned middle is read straight into it and only the partial blocks at its
-  ends go through a small bounce buffer, otherwise everything does, a MiB at a time. Raises
-  OSError (EINVAL) where the file system refuses direct I/O: the caller reads plainly instead.
+- `pread_direct(fd, bufs, offset)`: fill `bufs` (one buffer, or several filled in order) with
+  direct I/O, which needs the file offset, the length and the memory to be multiples of ALIGN.
+  Buffers that all are go in one request; otherwise each buffer whose memory sits at the same
+  place modulo ALIGN as its file offset (a session's cache and its own files: both token-major from
+  aligned starts) gets its aligned middle straight in and only the partial blocks at its ends
+  through a small bounce buffer, and the others go all through it, a MiB at a time. Raises OSError
+  (EINVAL) where the file system refuses direct I/O: the caller reads plainly instead.
+- `preadv_all(fd, views, offset)`: fill byte views in order with preadv (plain or direct reads
+  alike), resumed after short reads; `views_of(bufs)` makes them.
 
 What is read this way does not enter the page cache: the next open of the same session reads it
 from the disk again, in the same 13-15 ms (a plain read would be 5-6 ms then). Asking the kernel to
@@ -109,17 +111,18 @@ def views_of(bufs) -> list[memoryview]:
 def preadv_all(fd: int, views: list[memoryview], offset: int) -> int:
     """Fill `views` in order from `offset` (one preadv each time, resumed after a short read) until
     they are full or the file ends; the bytes read."""
-    total, rest = 0, [v for v in views if len(v)]
-    while rest:
-        n = os.preadv(fd, rest[:IOV_MAX], offset + total)
+    rest = [v for v in views if len(v)]
+    total, i = 0, 0  # rest[i] is the first view not yet full
+    while i < len(rest):
+        n = os.preadv(fd, rest[i:i + IOV_MAX], offset + total)
         if n == 0:
             break
         total += n
-        while rest and n >= len(rest[0]):  # drop the views filled, cut into the one partly filled
-            n -= len(rest[0])
-            rest.pop(0)
-        if rest and n:
-            rest[0] = rest[0][n:]
+        while i < len(rest) and n >= len(rest[i]):  # skip the views filled, cut into the one partly filled
+            n -= len(rest[i])
+            i += 1
+        if n:
+            rest[i] = rest[i][n:]
     return total
 
 

@@ -48,7 +48,11 @@ def direct_io_works(folder) -> bool:
     probe = folder / "probe"
     write_file(probe, 2 * ALIGN)
     try:
-        os.close(os.open(probe, os.O_RDONLY | os.O_DIRECT))
+        fd = os.open(probe, os.O_RDONLY | os.O_DIRECT)
+        try:
+            os.preadv(fd, [memoryview(offset_buffer(ALIGN, 0))], 0)  # some file systems refuse only the read
+        finally:
+            os.close(fd)
     except (OSError, AttributeError):
         return False
     finally:

@@ -126,12 +126,6 @@ def preadv_all(fd: int, views: list[memoryview], offset: int) -> int:
     return total
 
 
-def _read_exact(dfd: int, view: memoryview, offset: int) -> int:
-    """Direct reads of `view` (aligned memory and length) from `offset` (aligned) until it is full
-    or the file ends; the bytes read."""
-    return preadv_all(dfd, [view], offset)
-
-
 def _bounced(dfd: int, dest: memoryview, offset: int) -> int:
     """Fill `dest` (any memory) from `offset` (any) through the bounce buffer; the bytes filled."""
     scratch = memoryview(_bounce())
@@ -141,7 +135,7 @@ def _bounced(dfd: int, dest: memoryview, offset: int) -> int:
         start = pos - pos % ALIGN
         want = min(len(dest) - done, BOUNCE - (pos - start))
         span = -(-(pos - start + want) // ALIGN) * ALIGN  # whole blocks covering the wanted bytes
-        got = _read_exact(dfd, scratch[:span], start) - (pos - start)
+        got = preadv_all(dfd, [scratch[:span]], start) - (pos - start)
         if got <= 0:
             break
         got = min(got, want)
@@ -184,9 +178,10 @@ def _one(dfd: int, view: memoryview, offset: int) -> int:
         return _bounced(dfd, view, offset)
     head = -offset % ALIGN  # bytes before the first aligned file offset
     body = (n - head) // ALIGN * ALIGN
-    if _bounced(dfd, view[:head], offset) < head:
-        return head  # cannot happen for a file the caller sized, but never claim more than was read
-    got = _read_exact(dfd, view[head:head + body], offset + head)
+    got = _bounced(dfd, view[:head], offset)
+    if got < head:  # the file ended (not for a file the caller sized): never claim more than was read
+        return got
+    got = preadv_all(dfd, [view[head:head + body]], offset + head)
     if got < body:
         return head + got
     return head + body + _bounced(dfd, view[head + body:], offset + head + body)

@@ -99,7 +99,8 @@ class PosixIO:
         except OSError as e:
             if e.errno not in (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOENT):  # ENOENT: no /proc
                 raise
-            return self.pread_into(fd, buf, offset)
+            # the plain read itself, not `self.pread_into`: a backend that counts operations saw one
+            return direct_io.preadv_all(fd, direct_io.views_of(buf), offset)
 
     def pread(self, fd: int, length: int, offset: int) -> bytearray:
         """Up to `length` bytes from offset (fewer at end of file), read in place: no copy after."""

@@ -92,13 +92,16 @@ def test_a_direct_read_returns_the_bytes_of_a_plain_read(big_file, offset, nbyte
     assert out.tobytes() == data[offset:offset + nbytes]
 
 
-def test_a_direct_read_past_the_end_of_the_file_is_short(big_file):
+@pytest.mark.parametrize("left, congruent", [(1000, False), (1000, True), (30, True)])
+def test_a_direct_read_past_the_end_of_the_file_is_short(big_file, left, congruent):
+    """All through the bounce buffer, or straight in where memory and file offset agree (30 bytes
+    left: the file ends inside the partial block before the aligned middle)."""
     path, data = big_file
-    out = offset_buffer(3 * ALIGN, 0)
-    start = len(data) - 1000
+    start = len(data) - left
+    out = offset_buffer(3 * ALIGN, start % ALIGN if congruent else (start + 1) % ALIGN)
     with open(path, "rb") as f:
-        assert direct_io.pread_direct(f.fileno(), out, start) == 1000
-    assert out[:1000].tobytes() == data[start:]
+        assert direct_io.pread_direct(f.fileno(), out, start) == left
+    assert out[:left].tobytes() == data[start:]
 
 
 def test_a_range_out_of_the_page_cache_is_uncached_and_one_in_it_is_not(big_file):

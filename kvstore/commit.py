@@ -9,14 +9,18 @@ that changed, the generation in progress and the sampler settings. Then, in one 
    the flock, say on shared storage) fails here, before writing a byte, so it can never overwrite
    an extent the winner committed (C7);
 2. the new KV is appended to the session's own per-layer files, page-aligned after the committed
-   end (C5), and fsynced with the folder when files were created (`segments.append`), while the
-   transaction holds the index's write lock;
-3. the rows that point at it: the checkpoint, the extent and its place in the session, the new
-   token ids, the messages, the prefix keys of the chunk boundaries that became reusable (C10);
-4. commit, after the fsyncs (C4): a crash at any instant leaves the old head or the new one.
+   end (C5), and their fsync (with the folder's when files were created) starts on the syncing
+   thread (`segments.start_append`), while the transaction holds the index's write lock;
+3. the rows that point at it, inserted while the files sync: the checkpoint, the extent and its
+   place in the session, the new token ids, the messages, the prefix keys of the chunk boundaries
+   that became reusable (C10);
+4. commit, once the sync has finished (C4): a crash at any instant leaves the old head or the new
+   one. A failed sync undoes the append and rolls back; a failed insert rolls back, and the bytes
+   left past the committed end are dropped by the next open.
 
-The statements are built once with bound parameters: this runs at every checkpoint of a decode,
-where the ORM's unit of work, or building statements anew, cost more than the SQL.
+The statements are built once with bound parameters and run on a plain connection: this runs at
+every checkpoint of a decode, where the ORM's unit of work, or building statements anew, cost more
+than the SQL; the index rows take about as long as the sync they overlap.
 """
 
 from __future__ import annotations
@@ -43,6 +47,9 @@ ADD_EXTENT = insert(ExtentRow.__table__).returning(ExtentRow.__table__.c.id)
 ADD_SESSION_EXTENT = insert(SessionExtentRow.__table__)
 ADD_TOKENS = insert(TokenBlockRow.__table__)
 ADD_PREFIX_KEYS = insert(PrefixKeyRow.__table__)
+_M = MessageRow.__table__
+DROP_MESSAGE = delete(_M).where(_M.c.session_id == bindparam("p_session"), _M.c.ordinal == bindparam("p_ordinal"))
+ADD_MESSAGE = insert(_M)
 
 
 @dataclass(frozen=True)
@@ -76,9 +83,8 @@ def commit(store, session_id: str, name: str, head: Head, change: Change) -> Hea
     """Commit `change` (see the module's docstring); the new head. SessionBusy, with nothing
     written, when another writer moved the head since `head`; StoreFull when the disk is full."""
     n_tokens = len(change.tokens)
-    with store.db() as db, store_full_on_disk_full(f"checkpoint of {name!r}"), db.begin():
-        run = db.connection().execute
-        moved = run(HEAD_MOVES, {
+    with store_full_on_disk_full(f"checkpoint of {name!r}"), store.engine.begin() as db:
+        moved = db.execute(HEAD_MOVES, {
             "p_id": session_id, "p_head": head.seq, "head": head.seq + 1, "n_tokens": n_tokens,
             "n_cached": change.n_cached, "active_call": change.active_call, "last_hidden": change.hidden,
             "sampler": change.sampler, "checkpoint_every": change.checkpoint_every, "n_reusable": change.n_reusable,
@@ -86,31 +92,43 @@ def commit(store, session_id: str, name: str, head: Head, change: Change) -> Hea
         if moved.rowcount != 1:
             raise SessionBusy(f"session {name!r} was changed or deleted by someone else since it was "
                               "opened; nothing was committed. Open it again")
-        end, written = head.committed_end, None
+        end, appending = head.committed_end, None
         if change.kv is not None:
             layers = [t.to("cpu").contiguous() for t in change.kv]
-            written = segments.append(store.session_dir(session_id), head.committed_end, layers,
-                                      names_synced=head.names_synced)
-            end = written.end
-        run(ADD_CHECKPOINT, {"session_id": session_id, "seq": head.seq + 1, "n_tokens": n_tokens,
-                             "n_cached": change.n_cached, "reason": change.reason, "created_at": utcnow()})
-        if written is not None:
-            run(SEGMENT_GROWS, {"p_id": session_id, "committed_end": written.end})
-            extent_id = run(ADD_EXTENT, {"segment_id": session_id, "offset": written.offset,
-                                         "n_tokens": written.n_tokens, "checksums": written.checksums}).scalar_one()
-            run(ADD_SESSION_EXTENT, {"session_id": session_id, "start": head.n_cached, "extent_id": extent_id,
-                                     "n_tokens": change.n_cached - head.n_cached})
-        if n_tokens > head.n_tokens:
-            run(ADD_TOKENS, {"session_id": session_id, "start": head.n_tokens,
-                             "ids": encode_tokens(change.tokens[head.n_tokens:])})
-        if change.prefix_keys:
-            run(ADD_PREFIX_KEYS, [{"session_id": session_id, "position": b, "key": k} for b, k in change.prefix_keys])
-        for m in change.messages:
-            db.execute(delete(MessageRow).where(MessageRow.session_id == session_id,
-                                                MessageRow.ordinal == m["ordinal"]))
-            db.add(MessageRow(session_id=session_id, **m))
+            appending = segments.start_append(store.session_dir(session_id), head.committed_end, layers,
+                                              names_synced=head.names_synced)
+            end = appending.written.end
+        try:  # the rows, while the layer files sync
+            _add_rows(db.execute, session_id, head, change, appending.written if appending else None)
+        except Exception:
+            if appending is not None:
+                appending.abandon()
+            raise
+        if appending is not None:
+            appending.finish()  # durable before the commit (C4)
     return replace(head, seq=head.seq + 1, n_tokens=n_tokens, n_cached=change.n_cached, committed_end=end,
                    n_reusable=change.n_reusable, names_synced=head.names_synced or change.kv is not None)
+
+
+def _add_rows(run, session_id: str, head: Head, change: Change, written: segments.Written | None) -> None:
+    """Insert the checkpoint's rows (see the module's docstring, step 3)."""
+    n_tokens = len(change.tokens)
+    run(ADD_CHECKPOINT, {"session_id": session_id, "seq": head.seq + 1, "n_tokens": n_tokens,
+                         "n_cached": change.n_cached, "reason": change.reason, "created_at": utcnow()})
+    if written is not None:
+        run(SEGMENT_GROWS, {"p_id": session_id, "committed_end": written.end})
+        extent_id = run(ADD_EXTENT, {"segment_id": session_id, "offset": written.offset,
+                                     "n_tokens": written.n_tokens, "checksums": written.checksums}).scalar_one()
+        run(ADD_SESSION_EXTENT, {"session_id": session_id, "start": head.n_cached, "extent_id": extent_id,
+                                 "n_tokens": change.n_cached - head.n_cached})
+    if n_tokens > head.n_tokens:
+        run(ADD_TOKENS, {"session_id": session_id, "start": head.n_tokens,
+                         "ids": encode_tokens(change.tokens[head.n_tokens:])})
+    if change.prefix_keys:
+        run(ADD_PREFIX_KEYS, [{"session_id": session_id, "position": b, "key": k} for b, k in change.prefix_keys])
+    for m in change.messages:
+        run(DROP_MESSAGE, {"p_session": session_id, "p_ordinal": m["ordinal"]})
+        run(ADD_MESSAGE, {"session_id": session_id, **m})
 
 
 def hidden_bytes(hidden: torch.Tensor) -> bytes:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import threading
+import time
 
 import pytest
 
@@ -139,3 +141,45 @@ def test_a_checkpoint_whose_syncfs_finds_the_disk_full_is_store_full_and_commits
     assert store.info("s").n_cached == 24
     s.close()
     store.close()
+
+
+def test_a_checkpoint_writes_its_index_rows_while_its_files_sync_and_commits_after(tiny, tmp_path):
+    """The sync is a wait on the disk: it runs on the syncing thread while this one inserts the
+    checkpoint's rows, and the commit (C4) waits until it is done."""
+    from sqlalchemy import event
+
+    m = tiny("llama-gqa")
+    model = kvstore.load_model(m.folder, dtype="float32")
+    store = kvstore.open_store(tmp_path / "home")
+    s = store.new("s", model, seed=1, chunk_size=8)
+    s.append_tokens(m.ids(16))
+    events: list[tuple[str, str]] = []
+
+    class SlowSync(fileio.PosixIO):
+        def fsync_files(self, fds):
+            events.append(("sync starts", threading.current_thread().name))
+            time.sleep(0.2)
+            super().fsync_files(fds)
+            events.append(("sync ends", threading.current_thread().name))
+
+    @event.listens_for(store.engine, "before_cursor_execute")
+    def statement(conn, cursor, sql, *args):
+        if sql.lstrip().upper().startswith("INSERT INTO CHECKPOINTS"):
+            events.append(("checkpoint row", threading.current_thread().name))
+
+    @event.listens_for(store.engine, "commit")
+    def committed(conn):
+        events.append(("commit", threading.current_thread().name))
+
+    s.seq.add(m.ids(24)[16:])
+    list(s.seq.prefill())
+    with fileio.use(SlowSync()):
+        s.checkpoint("test")
+    me, order = threading.current_thread().name, [e for e, _ in events]
+    assert sorted(order) == sorted(["sync starts", "checkpoint row", "sync ends", "commit"])
+    assert order.index("checkpoint row") < order.index("sync ends") < order.index("commit")  # rows meanwhile, C4
+    threads = dict(events)
+    assert threads["checkpoint row"] == threads["commit"] == me
+    assert threads["sync starts"] == threads["sync ends"] != me
+    assert store.info("s").n_cached == 24
+    s.close()

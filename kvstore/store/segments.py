@@ -2,18 +2,23 @@
 
 Each file holds raw `[tokens, 2, n_kv_heads, head_dim]` elements of one layer. An extent is the
 same token range in every layer file, at the same page-aligned offset (C5: new bytes never share a
-page with committed ones). `append` reserves space with posix_fallocate before writing (a full disk
-raises StoreFull, never SIGBUS), writes, and fsyncs the files (`fileio.PosixIO.fsync_files`: one
-syncfs where that is as safe) and the directory when it created files; only then may the caller
-commit the extent in the index. `read_into` reads an extent and verifies its per-layer checksums.
-All file calls go through `fileio.io`.
+page with committed ones). `start_append` reserves space with posix_fallocate before writing (a
+full disk raises StoreFull, never SIGBUS), writes, and starts the fsync of the files
+(`fileio.PosixIO.fsync_files`: one syncfs where that is as safe) and of the directory when it
+created files on the syncing thread; the caller may prepare its index rows meanwhile, and commits
+the extent once `Appending.finish` says it is durable (`append` does both at once).
+`read_extents_into` reads extents and verifies their per-layer checksums. All file calls go
+through `fileio.io`.
 """
 
 from __future__ import annotations
 
 import mmap
+import os
 import re
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -32,6 +37,13 @@ LAYER_FILE = re.compile(r"layer-(\d{3,})\.kv")
 
 def layer_path(directory: Path, layer: int) -> Path:
     return directory / f"layer-{layer:03d}.kv"
+
+
+@lru_cache(maxsize=256)
+def layer_paths(directory: Path, n_layers: int) -> tuple[Path, ...]:
+    """The paths of a segment's first n_layers layer files (made once per segment: a checkpoint
+    names every one of them)."""
+    return tuple(layer_path(directory, i) for i in range(n_layers))
 
 
 def align(n: int) -> int:
@@ -55,7 +67,16 @@ class Written:
 
 
 def append(directory: Path, committed_end: int, layers: list["torch.Tensor"], *, names_synced: bool = False) -> Written:
-    """Write one extent (per layer `[T, 2, n_kv, hd]` CPU tensors) durably after `committed_end`.
+    """Write one extent (per layer `[T, 2, n_kv, hd]` CPU tensors) durably after `committed_end`
+    (`start_append`, then `Appending.finish`)."""
+    return start_append(directory, committed_end, layers, names_synced=names_synced).finish()
+
+
+def start_append(directory: Path, committed_end: int, layers: list["torch.Tensor"], *,
+                 names_synced: bool = False) -> "Appending":
+    """Write one extent (per layer `[T, 2, n_kv, hd]` CPU tensors) after `committed_end` and start
+    making it durable on the syncing thread; the caller may prepare its index rows meanwhile, and
+    must call `finish` (which waits for the sync) before it commits the extent.
 
     The directory and its parent are fsynced when this call creates files, and also whenever the
     caller has not yet made the names durable itself (`names_synced`): files found on disk may
@@ -70,24 +91,108 @@ def append(directory: Path, committed_end: int, layers: list["torch.Tensor"], *,
     made: list[Path] = []  # files this call created
     try:
         created = io.mkdir(directory)
-        for i, d in enumerate(data):
-            path = layer_path(directory, i)
-            if not io.exists(path):
-                made.append(path)
-            fds.append(io.open(path, create=True))
+        for i, (path, d) in enumerate(zip(layer_paths(directory, len(data)), data)):
+            fd = _open_existing(path) if names_synced else None  # this writer made and synced every name
+            if fd is None:
+                if not io.exists(path):
+                    made.append(path)
+                fd = io.open(path, create=True)
+            fds.append(fd)
             opened.append(path)
-            io.allocate(fds[-1], offset, length)
-            io.pwrite(fds[-1], d, offset)
-        io.fsync_files(fds)
-        if created or made or not names_synced:
-            io.fsync_dir(directory)
-            io.fsync_dir(directory.parent)
-        fds, closing = [], fds
-        close_all(closing)
+            io.allocate(fd, offset, length)
+            io.pwrite(fd, d, offset)
+        names = bool(created or made or not names_synced)
+        syncing = _start_sync(directory, fds, names)
     except OSError as e:
         _undo(fds, opened, made, committed_end)
         reraise_full(e, f"writing KV to {directory.name}")
-    return Written(offset, layers[0].shape[0], checksums, offset + length)
+    return Appending(Written(offset, layers[0].shape[0], checksums, offset + length), directory, fds, opened, made,
+                     committed_end, syncing)
+
+
+def _open_existing(path: Path) -> int | None:
+    try:
+        return io.open(path)
+    except FileNotFoundError:  # removed since (its extents packed, `pack.free_packed_segment`): made again
+        return None
+
+
+def _start_sync(directory: Path, fds: list[int], names: bool) -> Future:
+    """`_sync` on the syncing thread; in this thread once the interpreter is shutting down (a session
+    closed at exit: no new work is taken then), its outcome in the future all the same."""
+    try:
+        return _syncer().submit(_sync, directory, fds, names)
+    except RuntimeError:
+        done: Future = Future()
+        try:
+            _sync(directory, fds, names)
+        except OSError as e:
+            done.set_exception(e)
+        else:
+            done.set_result(None)
+        return done
+
+
+def _sync(directory: Path, fds: list[int], names: bool) -> None:
+    """On the syncing thread: the layer files' data (one syncfs where that is as safe), then the
+    names when they may not be durable yet."""
+    io.fsync_files(fds)
+    if names:
+        io.fsync_dir(directory)
+        io.fsync_dir(directory.parent)
+
+
+@dataclass
+class Appending:
+    """An extent written to its layer files, their sync under way (`start_append`)."""
+
+    written: Written
+    directory: Path
+    fds: list[int]
+    opened: list[Path]
+    made: list[Path]
+    committed_end: int
+    syncing: Future
+
+    def finish(self) -> Written:
+        """Wait until the extent is durable and close its files; on a failed sync, undo what was
+        written (StoreFull when the disk is full) as a failed write would."""
+        try:
+            self.syncing.result()
+            fds, self.fds = self.fds, []
+            close_all(fds)
+        except OSError as e:
+            _undo(self.fds, self.opened, self.made, self.committed_end)
+            reraise_full(e, f"writing KV to {self.directory.name}")
+        return self.written
+
+    def abandon(self) -> None:
+        """The caller will not commit the extent (its transaction failed): wait for the sync and close
+        the files. The bytes stay past the committed end, as a killed writer's would, until an open
+        truncates them (`truncate_uncommitted`)."""
+        try:
+            self.syncing.result()
+        except OSError:
+            pass
+        try:
+            fds, self.fds = self.fds, []
+            close_all(fds)
+        except OSError:
+            pass
+
+
+# One thread per process makes the layer files durable while the caller goes on (the sync is a wait
+# on the disk: the GIL is released); a forked child starts its own.
+_SYNCER: list[ThreadPoolExecutor] = []
+
+
+def _syncer() -> ThreadPoolExecutor:
+    if not _SYNCER:
+        _SYNCER.append(ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstore-sync"))
+    return _SYNCER[0]
+
+
+os.register_at_fork(after_in_child=_SYNCER.clear)
 
 
 def _undo(fds: list[int], opened: list[Path], made: list[Path], committed_end: int) -> None:

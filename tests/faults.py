@@ -257,8 +257,9 @@ class FaultyIO(PosixIO):
                 m.durable = replay(m.durable, [c for c in m.pending if not c.lost], "keep", self.rng)
                 m.pending = []
 
-    def fsync_files(self, fds: list[int]) -> None:
+    def fsync_files(self, fds: list[int], started=lambda: None) -> None:
         """As many fsyncs, each an operation (the model has no file system to sync at once)."""
+        started()
         for fd in fds:
             self.fsync(fd)
 

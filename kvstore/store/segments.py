@@ -16,11 +16,12 @@ from __future__ import annotations
 import mmap
 import os
 import re
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
@@ -118,28 +119,36 @@ def _open_existing(path: Path) -> int | None:
 
 
 def _start_sync(directory: Path, fds: list[int], names: bool) -> Future:
-    """`_sync` on the syncing thread; in this thread once the interpreter is shutting down (a session
-    closed at exit: no new work is taken then), its outcome in the future all the same."""
+    """`_sync` on the syncing thread, returning once it waits for the disk: left to compete for the
+    GIL and the cores with this thread's next Python, it could start late, after the work it was to
+    overlap. In this thread once the interpreter is shutting down (a session closed at exit: no new
+    work is taken then); its outcome in the future all the same."""
+    waiting = threading.Event()
     try:
-        return _syncer().submit(_sync, directory, fds, names)
+        syncing = _syncer().submit(_sync, directory, fds, names, waiting.set)
     except RuntimeError:
-        done: Future = Future()
+        syncing = Future()
         try:
             _sync(directory, fds, names)
         except OSError as e:
-            done.set_exception(e)
+            syncing.set_exception(e)
         else:
-            done.set_result(None)
-        return done
+            syncing.set_result(None)
+        return syncing
+    waiting.wait()
+    return syncing
 
 
-def _sync(directory: Path, fds: list[int], names: bool) -> None:
-    """On the syncing thread: the layer files' data (one syncfs where that is as safe), then the
-    names when they may not be durable yet."""
-    io.fsync_files(fds)
-    if names:
-        io.fsync_dir(directory)
-        io.fsync_dir(directory.parent)
+def _sync(directory: Path, fds: list[int], names: bool, started: Callable[[], None] = lambda: None) -> None:
+    """The layer files' data (one syncfs where that is as safe), then the names when they may not be
+    durable yet; `started()` once the first call waits for the disk (or this fails before)."""
+    try:
+        io.fsync_files(fds, started)
+        if names:
+            io.fsync_dir(directory)
+            io.fsync_dir(directory.parent)
+    finally:
+        started()
 
 
 @dataclass

@@ -14,13 +14,17 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import xxhash
 import zstandard
 from safetensors.torch import load_file, save_file
+from sqlalchemy import select
 
 import kvstore
 import store_harness as H
 from kvstore.store.archive import HEADER, MAGIC, VERSION
+from kvstore.store import codec
+from kvstore.store.index import BlobRow, ExtentBlobRow, ExtentRow, SegmentRow
 from kvstore.errors import (CorruptData, InvalidName, ModelMismatch, SessionBusy, SessionNotFound, StoreMissing,
                             UnsupportedFormat)
 
@@ -89,6 +93,61 @@ def test_a_flipped_byte_in_a_packed_blob_is_caught(saved, model):
     with pytest.raises(CorruptData, match="blob"):
         saved.open("s", model)
     assert saved.verify()["s"]
+
+
+def test_a_truncated_or_missing_blob_is_corrupt_data(saved, model):
+    saved.pack("s")
+    blob = next((saved.home / "blobs").glob("*.kvz"))
+    os.truncate(blob, blob.stat().st_size - 10)
+    with pytest.raises(CorruptData, match=f"blobs/{blob.name}.*truncated"):
+        saved.open("s", model)
+    blob.unlink()
+    with pytest.raises(CorruptData, match=f"blob {blob.name} is missing"):
+        saved.open("s", model)
+    assert saved.verify()["s"]
+
+
+def test_every_layer_of_a_packed_extent_is_checked_on_open(saved, model):
+    """An open reads a blob a layer at a time (no whole-file checksum on the way): a flipped byte in
+    any layer's payload is refused, by zstd's frame checks or the layer's checksum of its raw bytes."""
+    saved.pack("s")
+    blob = next((saved.home / "blobs").glob("*.kvz"))
+    good = blob.read_bytes()
+    with saved.db() as db:
+        frames = db.get(BlobRow, blob.stem).frames
+    for offset, size in frames:
+        for at in (offset + 8, offset + size // 2, offset + size - 1):
+            flip_byte(blob, at)
+            with pytest.raises(CorruptData, match="blob"):
+                saved.open("s", model)
+            blob.write_bytes(good)
+    saved.open("s", model).close()  # the file as packed opens
+
+
+def test_a_well_formed_blob_holding_other_kv_is_caught(saved, model):
+    """Past zstd's own checks: a layer's payload that inflates cleanly to other bytes (a blob written
+    wrong) fails that layer's checksum of its raw bytes."""
+    saved.pack("s")
+    blob = next((saved.home / "blobs").glob("*.kvz"))
+    body = blob.read_bytes()
+    with saved.db() as db:
+        row = db.get(BlobRow, blob.stem)
+        extent = db.get(ExtentRow, db.scalar(select(ExtentBlobRow.extent_id).where(ExtentBlobRow.blob_hash == row.hash)))
+        token_bytes = db.get(SegmentRow, extent.segment_id).token_bytes
+        itemsize = 2 if model.dtype == torch.bfloat16 else model.dtype.itemsize
+        (offset, size), rest = row.frames[0], row.frames[1:]
+        raw = codec.unpack_frame(body[offset:offset + size], extent.n_tokens * token_bytes, itemsize, token_bytes,
+                                 what="test")
+        raw[0] ^= 1  # one bit of the first element of layer 0
+        other = codec.pack_frame(raw.tobytes(), itemsize, token_bytes)
+        new_body = other + body[rest[0][0]:] if rest else other
+        shift = len(other) - size
+        row.frames = [[0, len(other)]] + [[o + shift, n] for o, n in rest]
+        row.size = len(new_body)
+        db.commit()
+    blob.write_bytes(new_body)
+    with pytest.raises(CorruptData, match=r"layer 0 \(blob .*checksum mismatch"):
+        saved.open("s", model)
 
 
 def test_a_deleted_index_is_reported_and_not_recreated(saved, tmp_path):

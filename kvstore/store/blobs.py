@@ -5,7 +5,8 @@ forks' shared ones first of all, are stored once. A pack holds `hold(shared=True
 blob it writes or reuses until its commit, so gc cannot delete one in between. The index keeps
 each payload's [offset, size] and a checksum of the whole file; its zstd frames carry zstd's own
 content checksum, and the raw bytes are checked against the extent's per-layer checksums after
-inflating.
+inflating. An open reads a payload at a time (`open_blob`, `read_payload`) and checks those two;
+`unpack` (verify, export, a fork's partial extent, a CUDA cache) checks the whole file's checksum first too.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
+from ..engine.buffers import BufferPool
 from ..errors import CorruptData
 from ..fileio import io, reraise_full, write_durable
 from . import codec
@@ -107,6 +109,32 @@ def read_body(blobs_dir: Path, digest: str, file_checksum: str, *, what: str,
     if hasher.hexdigest() != file_checksum:
         raise CorruptData(f"{what}: blob {path.name} fails its checksum; the file was damaged")
     return body
+
+
+def open_blob(blobs_dir: Path, digest: str, *, what: str) -> int:
+    """A blob's file, open for reading (`read_payload`); CorruptData when it is missing."""
+    path = blob_path(blobs_dir, digest)
+    try:
+        return io.open_read(path)
+    except FileNotFoundError:
+        raise CorruptData(f"{what}: blob {path.name} is missing; the session cannot be restored") from None
+
+
+def read_payload(fd: int, frames: list[list[int]], layer: int, into: np.ndarray, *, what: str) -> memoryview:
+    """One layer's payload of an open blob, read into `into` (a uint8 array at least that long):
+    the way an open reads a packed extent, a layer at a time into memory that stays in the CPU's
+    cache while it inflates. The file checksum is not computed here: each payload's zstd frame
+    checks and its layer's checksum of the raw bytes, which the caller verifies, refuse every change
+    that would alter a byte of KV (`verify` checks the file checksum as well). CorruptData when the
+    file ends before the payload."""
+    offset, size = frames[layer]
+    view = memoryview(into).cast("B")[:size]
+    if io.pread_into(fd, view, offset) != size:
+        raise CorruptData(f"{what}: the blob ends before layer {layer}'s payload; the file was truncated")
+    return view
+
+
+PAYLOADS = BufferPool(limit=16 << 20, new=lambda n: np.empty(n, np.uint8))  # where `read_payload` reads to
 
 
 def layer_payload(body: memoryview, frames: list[list[int]], layer: int) -> memoryview:

@@ -18,6 +18,7 @@ from sqlalchemy import Connection, bindparam, select
 from sqlalchemy.orm import Session as DB
 
 from ..errors import CorruptData
+from ..fileio import close_all
 from . import blobs, codec, segments
 from .index import BlobRow, ExtentBlobRow, ExtentRow, SegmentRow, SessionExtentRow
 from .workers import parallel_map
@@ -109,7 +110,6 @@ def read_layers_unlocked(store, ref: ExtentRef, itemsize: int, *, session: str) 
 # where 2 took 122-129 (p10 of 20, two runs; AMD EPYC Zen 5, 2 cores, load 9-10); warm (from the
 # page cache) 2, 3 and 4 helpers were equal within the noise
 READ_THREADS = 4
-RUN_BLOB_BYTES = 256 << 20  # compressed bytes of the blobs one run holds in memory at most (about)
 
 
 def load_into(cache, refs: list[ExtentRef], home: Path, *, session: str) -> None:
@@ -127,20 +127,16 @@ def load_into(cache, refs: list[ExtentRef], home: Path, *, session: str) -> None
     every = refs
     if hasattr(cache, "adopt_extents"):  # a paged cache shares what other sessions read of these extents
         refs = refs[cache.adopt_extents(refs):]
-    pos, held = cache.length, 0  # held: compressed bytes of the run's blobs, all in memory at once
+    pos = cache.length
     for ref in refs:
         if ref.start != pos:
             raise CorruptData(f"session {session!r}: the index has a gap in its KV at position {pos}")
         pos += ref.n_tokens
         if ref.n_tokens == ref.extent_tokens and cache.device.type == "cpu":
-            if held > RUN_BLOB_BYTES:
-                _read_direct(cache, run, home, session)
-                run, held = [], 0
             run.append(ref)
-            held += ref.blob.size if ref.blob is not None else 0
             continue
         _read_direct(cache, run, home, session)
-        run, held = [], 0
+        run = []
         import torch  # here: gc, pack and verify use this module without a model, and never load torch
 
         used = ref.n_tokens * ref.token_bytes
@@ -158,46 +154,52 @@ def _read_direct(cache, run: list[ExtentRef], home: Path, session: str) -> None:
     share in one task."""
     if not run:
         return
-    from ..engine.cache import POOL  # here: a cache exists, so torch is loaded
-
     end = run[-1].start + run[-1].n_tokens
-    cache.reserve(end)  # the cache's memory first, then the blobs' (both from the pool)
-    packed = [ref for ref in run if ref.blob is not None]
-    buffers = [POOL.borrow(ref.blob.size) for ref in packed]  # reused memory for the blob bodies
+    cache.reserve(end)
+    blob_files: dict[str, int] = {}  # each blob of the run open once, its layers read by the tasks
     try:
-        bodies = dict(zip([ref.extent_id for ref in packed], parallel_map(
-            lambda i: blobs.read_body(home / "blobs", packed[i].blob.hash, packed[i].blob.file_checksum,
-                                      what=f"session {session!r}, extent {packed[i].extent_id}",
-                                      into=buffers[i].numpy()), list(range(len(packed))), threads=2)))
+        for ref in run:
+            if ref.blob is not None and ref.blob.hash not in blob_files:
+                blob_files[ref.blob.hash] = blobs.open_blob(home / "blobs", ref.blob.hash,
+                                                            what=f"session {session!r}, extent {ref.extent_id}")
         with cache.filling(end) as rows:  # per layer [end - start, 2, n_kv, hd], in the cache's memory
             # each layer's bytes of the run, as uint8 views made here: torch calls in the workers would
             # contend for the GIL (measured: 2k tokens, 120 views, 13 ms of the workers' time)
-            _fill([segments.as_bytes(r) for r in rows], cache.dtype.itemsize, run, home, session, bodies)
+            _fill([segments.as_bytes(r) for r in rows], cache.dtype.itemsize, run, home, session, blob_files)
     finally:
-        for buf in buffers:
-            POOL.give(buf)
+        close_all(list(blob_files.values()))
 
 
 def _fill(dest: list[np.ndarray], itemsize: int, run: list[ExtentRef], home: Path, session: str,
-          bodies: dict[int, memoryview]) -> None:
-    """Each layer's share of the run (`dest`: its bytes), in one task per layer: read or inflated,
-    then verified."""
+          blob_files: dict[str, int]) -> None:
+    """Each layer's share of the run (`dest`: its bytes), in one task per layer: read, or read from
+    its blob and inflated, then verified. A packed layer's payload is read into a small buffer of
+    the task's, reused for each extent: it is inflated while it sits in the CPU's cache, and no
+    memory the size of the blobs is touched (fresh memory for 32 MB of blob bodies made the first
+    open after a pack a third slower; AMD EPYC Zen 3, KVM)."""
     first = run[0].start
+    payload_bytes = max((ref.blob.frames[i][1] for ref in run if ref.blob is not None
+                         for i in range(len(ref.blob.frames))), default=0)
 
     def one(layer: int) -> None:
         raw: dict[str, list[segments.ExtentRead]] = {}  # per segment: one open of its layer file
-        for ref in run:
-            a = (ref.start - first) * ref.token_bytes
-            target = dest[layer][a:a + ref.n_tokens * ref.token_bytes]  # a view
-            what = f"session {session!r}, extent {ref.extent_id}, layer {layer}"
-            if ref.blob is None:
-                raw.setdefault(ref.segment_id, []).append(segments.ExtentRead(ref.offset, target, what,
-                                                                              ref.checksums[layer]))
-                continue
-            payload = blobs.layer_payload(bodies[ref.extent_id], ref.blob.frames, layer)
-            codec.unpack_frame(payload, ref.raw_size, itemsize, ref.token_bytes, what=what, out=target)
-            file = blobs.blob_path(Path("blobs"), ref.blob.hash).as_posix()
-            segments.verify(target, ref.checksums[layer], what=f"{what} (blob {file})")
+        payload = blobs.PAYLOADS.borrow(payload_bytes) if payload_bytes else None
+        try:
+            for ref in run:
+                a = (ref.start - first) * ref.token_bytes
+                target = dest[layer][a:a + ref.n_tokens * ref.token_bytes]  # a view
+                what = f"session {session!r}, extent {ref.extent_id}, layer {layer}"
+                if ref.blob is None:
+                    raw.setdefault(ref.segment_id, []).append(segments.ExtentRead(ref.offset, target, what,
+                                                                                  ref.checksums[layer]))
+                    continue
+                what += f" (blob {blobs.blob_path(Path('blobs'), ref.blob.hash).as_posix()})"
+                data = blobs.read_payload(blob_files[ref.blob.hash], ref.blob.frames, layer, payload, what=what)
+                codec.unpack_frame(data, ref.raw_size, itemsize, ref.token_bytes, what=what, out=target)
+                segments.verify(target, ref.checksums[layer], what=what)
+        finally:
+            if payload is not None:
+                blobs.PAYLOADS.give(payload)
         for segment, reads in raw.items():  # each verified as soon as it is read
             segments.read_extents_into(home / "sessions" / segment, layer, reads)
 

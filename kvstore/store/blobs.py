@@ -6,7 +6,8 @@ blob it writes or reuses until its commit, so gc cannot delete one in between. T
 each payload's [offset, size] and a checksum of the whole file; its zstd frames carry zstd's own
 content checksum, and the raw bytes are checked against the extent's per-layer checksums after
 inflating. An open reads a payload at a time (`open_blob`, `read_payload`) and checks those two;
-`unpack` (verify, export, a fork's partial extent, a CUDA cache) checks the whole file's checksum first too.
+`unpack` (verify, export, a fork's partial extent, a CUDA cache) checks the whole file's
+checksum first too.
 """
 
 from __future__ import annotations

@@ -184,3 +184,30 @@ def test_a_checkpoint_writes_its_index_rows_while_its_files_sync_and_commits_aft
     assert threads["sync starts"] == threads["sync ends"] != me
     assert store.info("s").n_cached == 24
     s.close()
+
+
+def test_a_forked_child_makes_its_files_durable_on_a_syncing_thread_of_its_own(tmp_path):
+    """The parent's syncing thread does not exist in a forked child: the child starts its own (an
+    executor copied from the parent would take the work and never run it)."""
+    import torch
+
+    from kvstore.store import segments
+
+    rows = [torch.zeros(4, 2, 1, 16, dtype=torch.bfloat16)]
+    segments.append(tmp_path / "parent", 0, rows)  # the parent's syncing thread is running now
+    pid = os.fork()
+    if pid == 0:  # the child: no pytest from here on, an exit status only
+        try:
+            segments.append(tmp_path / "child", 0, rows)
+            os._exit(0)
+        except BaseException:  # noqa: BLE001
+            os._exit(1)
+    deadline = time.monotonic() + 30
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if done[0] == 0:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child's append never finished")
+    assert os.waitstatus_to_exitcode(done[1]) == 0
+    assert (tmp_path / "child" / "layer-000.kv").stat().st_size == rows[0].numel() * 2

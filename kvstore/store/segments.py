@@ -193,15 +193,23 @@ class Appending:
 # One thread per process makes the layer files durable while the caller goes on (the sync is a wait
 # on the disk: the GIL is released); a forked child starts its own.
 _SYNCER: list[ThreadPoolExecutor] = []
+_SYNCER_MADE = threading.Lock()
 
 
 def _syncer() -> ThreadPoolExecutor:
-    if not _SYNCER:
-        _SYNCER.append(ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstore-sync"))
-    return _SYNCER[0]
+    with _SYNCER_MADE:
+        if not _SYNCER:
+            _SYNCER.append(ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstore-sync"))
+        return _SYNCER[0]
 
 
-os.register_at_fork(after_in_child=_SYNCER.clear)
+def _forget_syncer() -> None:  # in a forked child: the parent's thread (and the lock's holder) are not here
+    global _SYNCER_MADE
+    _SYNCER.clear()
+    _SYNCER_MADE = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_syncer)
 
 
 def _undo(fds: list[int], opened: list[Path], made: list[Path], committed_end: int) -> None:

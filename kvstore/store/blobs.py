@@ -84,20 +84,12 @@ def pack(blobs_dir: Path, layers: list[np.ndarray], itemsize: int, row_bytes: in
 READ_PIECE = 1 << 20  # bytes of a blob read and hashed at a time
 
 
-def read_body(blobs_dir: Path, digest: str, file_checksum: str, *, what: str,
-              into: np.ndarray | None = None) -> memoryview:
-    """A blob's bytes, its file checksum verified (layers are sliced from it without copies); read
-    into `into` (a writable uint8 array: memory already written to, which reads faster) when the file
-    fits in it."""
-    path = blob_path(blobs_dir, digest)
-    try:
-        fd = io.open_read(path)
-    except FileNotFoundError:
-        raise CorruptData(f"{what}: blob {path.name} is missing; the session cannot be restored") from None
+def read_body(blobs_dir: Path, digest: str, file_checksum: str, *, what: str) -> memoryview:
+    """A blob's bytes, its file checksum verified (layers are sliced from it without copies)."""
+    fd = open_blob(blobs_dir, digest, what=what)
     try:
         size = io.size(fd)
-        buf = into[:size] if into is not None and size <= into.size else bytearray(size)
-        body, hasher, at = memoryview(buf).cast("B"), codec.checksummer(), 0
+        body, hasher, at = memoryview(bytearray(size)), codec.checksummer(), 0
         while at < size:  # hashed piece by piece as it is read, while each piece is in the CPU's cache
             n = io.pread_into(fd, body[at:at + READ_PIECE], at)
             if n == 0:
@@ -108,7 +100,7 @@ def read_body(blobs_dir: Path, digest: str, file_checksum: str, *, what: str,
     finally:
         io.close(fd)
     if hasher.hexdigest() != file_checksum:
-        raise CorruptData(f"{what}: blob {path.name} fails its checksum; the file was damaged")
+        raise CorruptData(f"{what}: blob {blob_path(blobs_dir, digest).name} fails its checksum; the file was damaged")
     return body
 
 

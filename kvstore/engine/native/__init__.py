@@ -59,6 +59,8 @@ class QuantKernels:
     qgemm: Callable  # (packed, kind, rows, cols, x [T, cols], add | None, isa) -> [T, rows]
     qembed: Callable  # (packed, kind, rows, cols, ids [n], dtype) -> [n, cols]
     isa: str  # the instruction path qgemm takes by default: "avx512-vnni", "avx-vnni" or "avx2"
+    paths: tuple[int, ...]  # every path this CPU runs, qgemm's `isa`: 0 AVX2, 1 AVX-VNNI, 2 AVX512-VNNI
+    # (a path below the best one may be missing: AMD Zen 4 has AVX512-VNNI and no AVX-VNNI)
 
 
 _choice: tuple[Kernels | None, str] | None = None  # (the kernels or None, why), once settled
@@ -135,7 +137,8 @@ def _load_quant() -> tuple[QuantKernels | None, str]:
     if not isa:
         return None, "torch's kernels (this CPU has no AVX2)"
     ops = torch.ops.kvstore
-    return QuantKernels(ops.qgemm.default, ops.qembed.default, isa), f"native {isa.upper()} block-quantized kernels"
+    return (QuantKernels(ops.qgemm.default, ops.qembed.default, isa, tuple(ops.quant_paths())),
+            f"native {isa.upper()} block-quantized kernels")
 
 
 def _load_attention() -> tuple[Callable | None, str]:

@@ -30,7 +30,9 @@
 // Paths: AVX512-VNNI (16 lanes), AVX-VNNI (two 8-lane halves), AVX2 (maddubs + madd; Q8_0 through
 // |q| and sign-adjusted activations so no pair saturates). kvstore::quant_isa() names the best one
 // this CPU has ("" when it lacks AVX2 and F16C: then qgemm refuses, and the caller uses the torch
-// reference). `isa` forces a path (tests): 0 AVX2, 1 AVX-VNNI, 2 AVX512-VNNI, -1 the best.
+// reference). `isa` forces a path (tests): 0 AVX2, 1 AVX-VNNI, 2 AVX512-VNNI, -1 the best; a path
+// this CPU lacks is refused (kvstore::quant_paths() lists the ones it has: AVX512-VNNI does not
+// imply AVX-VNNI).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -46,6 +48,7 @@
 #include <optional>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 namespace {
 
@@ -62,18 +65,37 @@ constexpr int64_t record_bytes(int64_t kind) { return quant_bytes(kind) + 32 + (
 #define KV_AVX2 __attribute__((target("avx2,f16c,fma")))
 #define KV_AVX512_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,f16c,fma")))
 
-int64_t best_isa() {
-  static const int64_t best = [] {
+// Whether this CPU runs path `isa`. Each path needs its own instructions: AVX-VNNI (VEX-encoded
+// vpdpbusd) is not implied by AVX512-VNNI (AMD Zen 4 has the second and not the first), so a path
+// below the best one may still be missing.
+bool has_isa(int64_t isa) {
+  static const bool base = [] {
     __builtin_cpu_init();
-    if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("f16c") || !__builtin_cpu_supports("fma"))
-      return int64_t(-1);
-    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
-        __builtin_cpu_supports("avx512vnni"))
-      return int64_t(AVX512_VNNI);
-    if (__builtin_cpu_supports("avxvnni")) return int64_t(AVX_VNNI);
-    return int64_t(AVX2);
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c") && __builtin_cpu_supports("fma");
   }();
-  return best;
+  static const bool avx_vnni = base && __builtin_cpu_supports("avxvnni");
+  static const bool avx512_vnni = base && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                                  __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+  switch (isa) {
+    case AVX2: return base;
+    case AVX_VNNI: return avx_vnni;
+    case AVX512_VNNI: return avx512_vnni;
+    default: return false;
+  }
+}
+
+int64_t best_isa() {
+  for (int64_t isa : {AVX512_VNNI, AVX_VNNI, AVX2})
+    if (has_isa(isa)) return isa;
+  return -1;
+}
+
+// the paths this CPU runs, in order (tests run each)
+std::vector<int64_t> quant_paths() {
+  std::vector<int64_t> paths;
+  for (int64_t isa : {AVX2, AVX_VNNI, AVX512_VNNI})
+    if (has_isa(isa)) paths.push_back(isa);
+  return paths;
 }
 
 std::string quant_isa() {
@@ -339,13 +361,13 @@ KV_AVX2 void store_group(const float* out, const T* add, T* y, int64_t live) {
 void check_isa(int64_t isa) {
   const int64_t best = best_isa();
   TORCH_CHECK(best >= 0, "qgemm: this CPU lacks AVX2/F16C; use the torch reference (kvstore/engine/quant_reference.py)");
-  TORCH_CHECK(isa >= AVX2 && isa <= best, "qgemm: instruction path ", isa, " is not available on this CPU (best: ",
-              quant_isa(), ")");
+  TORCH_CHECK(has_isa(isa), "qgemm: instruction path ", isa, " is not available on this CPU (best: ", quant_isa(),
+              "; kvstore::quant_paths() lists the ones it has)");
 }
 
 at::Tensor qgemm(const at::Tensor& w_any, int64_t kind, int64_t rows, int64_t cols, const at::Tensor& x_any,
                  const std::optional<at::Tensor>& add_any, int64_t isa) {
-  if (isa < 0) isa = best_isa();
+  if (isa == -1) isa = best_isa();
   check_isa(isa);
   TORCH_CHECK(kind == Q4_0 || kind == Q4_1 || kind == Q8_0, "qgemm: unknown block kind ", kind);
   TORCH_CHECK(rows > 0 && cols > 0 && cols % kBlock == 0, "qgemm: cols must be a positive multiple of ", kBlock);
@@ -453,6 +475,7 @@ at::Tensor qembed(const at::Tensor& w_any, int64_t kind, int64_t rows, int64_t c
 
 TORCH_LIBRARY_FRAGMENT(kvstore, m) {
   m.def("quant_isa() -> str", &quant_isa);
+  m.def("quant_paths() -> int[]", &quant_paths);
   m.def("qgemm(Tensor w, int kind, int rows, int cols, Tensor x, Tensor? add=None, int isa=-1) -> Tensor");
   m.def("qembed(Tensor w, int kind, int rows, int cols, Tensor ids, ScalarType dtype) -> Tensor");
 }

@@ -41,6 +41,24 @@ def test_each_byte_plane_is_its_own_frame_and_the_exponents_compress():
     assert n_high < raw.size // 2 * 0.6  # sign and exponent bytes of normal-ish values repeat a lot
 
 
+def test_frames_carry_no_zstd_checksum_but_one_written_before_is_still_checked():
+    """Every reader verifies an inflated layer against its xxh3-64, so the frames skip zstd's own
+    (32-bit) checksum of the same bytes; frames packed with one still inflate, and a damaged one
+    is refused by zstd."""
+    raw, itemsize, row_bytes = kv_bytes(torch.bfloat16)
+    payload = codec.pack_frame(raw, itemsize, row_bytes)
+    (n_low,) = codec.LENGTH.unpack(payload[4:8])
+    assert not zstandard.get_frame_parameters(payload[8:8 + n_low]).has_checksum
+    compressor = zstandard.ZstdCompressor(level=1, write_checksum=True, write_content_size=True)
+    frames = [compressor.compress(plane.tobytes()) for plane in (raw[0::2], raw[1::2])]
+    before = codec.PLANES_MARK + b"".join(codec.LENGTH.pack(len(f)) + f for f in frames)
+    assert np.array_equal(codec.unpack_frame(before, raw.size, itemsize, row_bytes, what="t"), raw)
+    damaged = bytearray(before)
+    damaged[8 + len(frames[0]) - 1] ^= 0xFF  # the low plane's frame ends with its checksum
+    with pytest.raises(CorruptData, match="damaged"):
+        codec.unpack_frame(bytes(damaged), raw.size, itemsize, row_bytes, what="t")
+
+
 def test_the_mark_is_no_length_a_channel_major_payload_can_start_with():
     (as_length,) = codec.LENGTH.unpack(codec.PLANES_MARK)
     assert as_length > 2**31 and codec.PLANES_MARK != codec.ZSTD_MAGIC

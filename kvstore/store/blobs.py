@@ -3,11 +3,11 @@
 The name is the xxh3-128 of the extent's raw bytes (all layers in order), so identical extents,
 forks' shared ones first of all, are stored once. A pack holds `hold(shared=True)` from the first
 blob it writes or reuses until its commit, so gc cannot delete one in between. The index keeps
-each payload's [offset, size] and a checksum of the whole file; its zstd frames carry zstd's own
-content checksum, and the raw bytes are checked against the extent's per-layer checksums after
-inflating. An open reads a payload at a time (`open_blob`, `read_payload`) and checks those two;
-`unpack` (verify, export, a fork's partial extent, a CUDA cache) checks the whole file's
-checksum first too.
+each payload's [offset, size] and a checksum of the whole file; the raw bytes are checked against
+the extent's per-layer checksums after inflating (the zstd frames of blobs packed before
+2026-12-03 carry zstd's own content checksum too, which zstd checks as well). An open reads a
+payload at a time (`open_blob`, `read_payload`) and checks its layer's checksum; `unpack` (verify,
+export, a fork's partial extent, a CUDA cache) checks the whole file's checksum first too.
 """
 
 from __future__ import annotations

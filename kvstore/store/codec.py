@@ -181,5 +181,3 @@ def _inflate(frame, size: int, *, what: str) -> np.ndarray:
     if got != size:
         raise CorruptData(f"{what}: frame holds {got} bytes, expected {size}")
     return out
-
-

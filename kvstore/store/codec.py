@@ -127,9 +127,9 @@ def _inflate_planes(payload: memoryview, at: int, n_planes: int, plane_size: int
     return planes
 
 
-def _unshuffle(raw: bytes, itemsize: int) -> np.ndarray:
-    """The first encoding's byte planes `[itemsize, n]` over token-major elements -> the bytes."""
-    planes = np.frombuffer(raw, dtype=np.uint8)
+def _unshuffle(planes: np.ndarray, itemsize: int) -> np.ndarray:
+    """The first encoding's byte planes `[itemsize, n]` over token-major elements (uint8, as `_inflate`
+    returns them) -> the bytes."""
     if itemsize == 1:
         return planes
     return np.ascontiguousarray(planes.reshape(itemsize, -1).T).reshape(-1)

@@ -325,7 +325,7 @@ def kernel_paths() -> dict[str, str]:
 
     return {"bfloat16 products, norms, SwiGLU, rotary": native.status(),
             "block-quantized products": native.quant_status(),
-            "attention": native.attention_status()}
+            "attention": native.attention_status(), "layer stack": native.layers_status()}
 
 
 def cpu_flags(cpuinfo: list[str]) -> list[str]:

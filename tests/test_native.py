@@ -270,13 +270,14 @@ def as_built(source: Path) -> None:
 
 @needs_compiler
 def test_will_build_says_whether_a_load_compiles(cache, monkeypatch):
-    for choice in ("_choice", "_quant_choice", "_attention"):
+    for choice in ("_choice", "_quant_choice", "_attention", "_layers"):
         monkeypatch.setattr(native, choice, None)
     assert native.will_build()  # a new cache folder
     as_built(native.SOURCE)
     as_built(native.QUANT_SOURCE)
-    assert native.will_build()  # the attention's library is still missing
     as_built(native.ATTENTION_SOURCE)
+    assert native.will_build()  # the layer stack's library is still missing
+    as_built(native.LAYERS_SOURCE)
     assert not native.will_build()
     cache_lib = next(cache.glob("kernels_bf16-*.so"))
     cache_lib.unlink()

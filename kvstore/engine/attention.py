@@ -116,9 +116,10 @@ class Batch:
             self.kernel_args = self._kernel_args()
         return self.kernel_args[1:]
 
-    def _kernel_args(self) -> tuple[torch.Tensor, ...]:
+    def _kernel_args(self, slots: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
         caches = [it.cache for it in self.items]
-        slots = torch.cat([c.rows(it.pos, it.pos + s.rows) for c, it, s in zip(caches, self.items, self.spans)])
+        if slots is None:
+            slots = torch.cat([c.rows(it.pos, it.pos + s.rows) for c, it, s in zip(caches, self.items, self.spans)])
         tables = [c.table for c in caches]
         width = max(len(t) for t in tables)
         table = torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.int32)  # [S, width]
@@ -126,6 +127,32 @@ class Batch:
                                           torch.tensor([s.rows for s in self.spans]))
         row_len = torch.cat([positions_after(it.pos, s.rows) for it, s in zip(self.items, self.spans)])
         return slots, table, row_seq, row_len
+
+
+    def layer_args(self, n_heads: int) -> tuple | None:
+        """For a forward that runs its whole layer stack in one native call (`native.layers()`): every
+        item's new positions claimed in its cache (`claim`), and what the call reads the caches with:
+        (each layer's pool, each row's slot `[R]`, the block tables `[S, width]`, row_seq `[R]`, row_len
+        `[R]`); after the call, `written()`. None where the native attention does not read these
+        caches (then the layers run one by one): one item's cache, or every item's in one paged pool."""
+        caches = [it.cache for it in self.items]
+        if any(c is None for c in caches) or native_for(caches[0], n_heads) is None:
+            return None
+        if len(caches) == 1:
+            (it,), (s,) = self.items, self.spans
+            slots = it.cache.claim(it.pos, it.pos + s.rows)
+            return it.cache.pools(), slots, it.cache.blocks(0)[1], one_sequence(s.rows), positions_after(it.pos, s.rows)
+        pool = getattr(caches[0], "pool", None)
+        if pool is None or any(getattr(c, "pool", None) is not pool for c in caches):
+            return None
+        slots = torch.cat([c.claim(it.pos, it.pos + s.rows) for c, it, s in zip(caches, self.items, self.spans)])
+        _, table, row_seq, row_len = self._kernel_args(slots)
+        return pool.layers, slots, table, row_seq, row_len
+
+    def written(self) -> None:
+        """Every item's new positions hold K/V in every layer (what the last layer's `put` says)."""
+        for it, s in zip(self.items, self.spans):
+            it.cache.length = it.pos + s.rows
 
 
 def attend_items(q: torch.Tensor, kv: torch.Tensor, batch: Batch, layer: int, n_layers: int) -> torch.Tensor:
@@ -165,9 +192,16 @@ NATIVE_MAX_GROUP = 24  # query heads per KV head the native kernel takes (attent
 def native_rows(q: torch.Tensor, cache: KVCache | None):
     """The native kernel where it takes these queries over this cache (bfloat16 on the CPU, head
     dimension a multiple of 16, at most NATIVE_MAX_GROUP query heads per KV head), else None."""
-    if cache is None or q.dtype is not torch.bfloat16 or cache.dtype is not torch.bfloat16 or q.device.type != "cpu":
+    if q.dtype is not torch.bfloat16 or q.device.type != "cpu":
         return None
-    if cache.head_dim % 16 or q.shape[1] % cache.n_kv_heads or q.shape[1] // cache.n_kv_heads > NATIVE_MAX_GROUP:
+    return native_for(cache, q.shape[1])
+
+
+def native_for(cache: KVCache | None, n_heads: int):
+    """`native_rows` for bfloat16 CPU queries of n_heads heads."""
+    if cache is None or cache.dtype is not torch.bfloat16 or cache.device.type != "cpu":
+        return None
+    if cache.head_dim % 16 or n_heads % cache.n_kv_heads or n_heads // cache.n_kv_heads > NATIVE_MAX_GROUP:
         return None
     return native.attention()
 

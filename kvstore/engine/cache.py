@@ -60,6 +60,7 @@ class KVCache:
         self.layers: list[torch.Tensor] = [self._empty(capacity, i) for i in range(n_layers)]
         self.length = 0
         self._table = torch.zeros(1, 0, dtype=torch.int32, device=self.device)  # `blocks`' table, by capacity
+        self._pools: tuple[torch.Tensor, list[torch.Tensor]] | None = None  # (layers[0] they view, `pools`)
 
     @property
     def capacity(self) -> int:
@@ -129,6 +130,20 @@ class KVCache:
         if self._table.shape[1] != n:
             self._table = torch.arange(n, dtype=torch.int32, device=self.device)[None]
         return buf.view(n, BLOCK, *self.token_shape), self._table
+
+    def claim(self, pos: int, end: int) -> torch.Tensor:
+        """Positions pos..end-1 made writable in every layer (room for them): their rows in each
+        layer's `blocks` pool viewed flat, `[capacity, 2, n_kv_heads, head_dim]` (int64 `[end - pos]`),
+        for a forward that writes every layer's rows itself (`put`'s copies, all at once); it sets
+        `length = end` afterwards, as the last layer's `put` would."""
+        self.reserve(end)
+        return torch.arange(pos, end, dtype=torch.int64, device=self.device)
+
+    def pools(self) -> list[torch.Tensor]:
+        """Every layer's `blocks` pool (their one table: `blocks(0)[1]`), made again when the buffers change."""
+        if self._pools is None or self._pools[0] is not self.layers[0]:
+            self._pools = (self.layers[0], [self.blocks(i)[0] for i in range(self.n_layers)])
+        return self._pools[1]
 
     @contextmanager
     def filling(self, end: int) -> Iterator[list[torch.Tensor]]:

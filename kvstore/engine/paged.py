@@ -178,6 +178,17 @@ class PagedCache:
         if layer == self.n_layers - 1:
             self.length = end
 
+    def claim(self, pos: int, end: int) -> torch.Tensor:
+        """KVCache.claim: blocks for positions pos..end-1, made this cache's own (as the first layer's
+        `put` makes them), and their flat pool rows (int64 `[end - pos]`)."""
+        self.reserve(end)
+        self._own(pos, end)
+        return self.rows(pos, end)
+
+    def pools(self) -> list[torch.Tensor]:
+        """KVCache.pools: the pool's layers."""
+        return self.pool.layers
+
     def blocks(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """KVCache.blocks: the pool's `layer` `[n_blocks, block_tokens, 2, n_kv, hd]` and this cache's
         block table `[1, n]` int32, for the native attention, which reads the rows where they are."""

@@ -16,10 +16,15 @@
 Speed at this size is a matter of kernel calls, not FLOPs: Q/K/V and gate/up are fused into one
 matmul each, the residual add rides in the matmul (addmm/addmv), RMSNorm, SwiGLU and rotary are one
 pass each (`ops`: kvstore's native bfloat16 kernels where the CPU allows; rotary in place),
-K|V land in the cache with one copy. A chunk takes matrix kernels; one token with a cache
-(the decode loop) takes `_step`: vectors and matrix-vector kernels. Which path and kernels run
+K|V land in the cache with one copy. A chunk takes matrix kernels; one token (the decode
+loop) takes matrix-vector kernels where the weights are dense (`ops.linear`). Which path and kernels run
 depends on T alone, so a forward over [pos, pos+T) gives the same bits whatever ran
 before, the cache's capacity or the rotary table's length (contract C1's premise).
+
+Where every product is block-quantized without a bias, in bfloat16 on the CPU, and the native
+attention reads the items' caches (one cache, or one paged pool), the layer loop of `_rows` runs as
+one native call (`native.layers()`, layers.cpp): the same kernels in the same order on the same
+arguments, so the same bits (tests/test_native_layers.py), without Python's dispatch between them.
 """
 
 from __future__ import annotations
@@ -31,11 +36,12 @@ from typing import Any
 import torch
 
 from ...errors import UnsupportedModel
+from .. import native
 from ..attention import Batch, attend_items
 from ..cache import KVCache
 from ..config import ModelConfig, gguf_vocab
 from ..ops import Weight, embed, linear, matvec, rms_norm, rotate_, rows_add_linear, rows_linear, swiglu
-from ..quant import Blocks, Packed, fuse, packed
+from ..quant import KINDS, Blocks, Packed, fuse, packed
 from ..rows import Item, spans_of
 from ..weights import GGUF, per_layer
 
@@ -252,6 +258,26 @@ class Llama:
         self.layers = [self._layer(w, i) for i in range(cfg.n_layers)]
         self.inv_freq = inv_frequencies(cfg, w.get("rope_freqs")).to(self.device)
         self._rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._stack = self._stack_args()
+
+    def _stack_args(self) -> tuple[list[torch.Tensor], list[int], list[torch.Tensor]] | None:
+        """What `native.layers()` takes of the weights (per layer the four products' packed data, their
+        (kind, rows, cols), the two norms), where it computes this model's layers: bfloat16 on the CPU,
+        every product block-quantized (the kernel `ops.linear` picks for them at any row count), no
+        biases. Else None: the layers run one by one (`_rows`)."""
+        if self.dtype is not torch.bfloat16 or self.device.type != "cpu":
+            return None
+        weights, meta, norms = [], [], []
+        for L in self.layers:
+            products = (L.wqkv, L.wo, L.w_gate_up, L.w_down)
+            if not all(isinstance(w, Packed) for w in products) or any(
+                    b is not None for b in (L.bqkv, L.bo, L.b_gate_up, L.b_down)):
+                return None
+            for w in products:
+                weights.append(w.data)
+                meta += [KINDS[w.kind], w.rows, w.cols]
+            norms += [L.attn_norm2, L.mlp_norm2]
+        return weights, meta, norms
 
     def _layer(self, w: dict[str, Any], i: int) -> Layer:
         p = f"layers.{i}."
@@ -338,6 +364,13 @@ class Llama:
                                                  for it, s in zip(items, spans)]).to(ids.device))
         batch = Batch(items, spans, self.dtype, ids.device)  # masks, and the paged kernel's arguments once made
         x = embed(ids, self.embed, self.dtype)  # [R, hidden]
+        stack = native.layers() if self._stack is not None else None
+        args = batch.layer_args(nh) if stack is not None else None
+        if args is not None:  # the loop below in one native call: the same kernels in the same order
+            pools, slots, table, row_seq, row_len = args
+            x = stack(x, *self._stack, cos, sin, pools, slots, table, row_seq, row_len, nh, eps)
+            batch.written()
+            return x
         for i, L in enumerate(self.layers):
             qkv = rows_linear(rms_norm(x, L.attn_norm2, eps), L.wqkv, L.bqkv, spans)  # [R, (nh + 2 nkv) hd]: q | k | v
             rotate_(qkv[:, :k_end].view(R, nh + nkv, hd), cos, sin)

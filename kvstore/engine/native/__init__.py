@@ -16,6 +16,11 @@ bfloat16 KV cache, its comment states the contract; AVX512, else AVX2 with the s
 None: KVSTORE_NATIVE=0, a CPU without AVX2, a failed build. Settled once per process, like `kernels()`; kvstore/engine/attention.py decides
 where it runs.
 
+`layers()` -> the `llama_layers` op of layers.cpp (a Llama forward's whole layer stack in one call,
+calling the three libraries' kernels in the order the Python loop calls them: the same bits, without
+Python's dispatch between them), or None wherever one of the three is missing or it fails to build;
+models/llama.py decides where it runs.
+
 Bits: the two kernels round differently, so decoding is exact between runs that made the same
 choice. Every process on one machine makes the same one (unless KVSTORE_NATIVE differs); a session
 continued where the choice differs (another kind of CPU, KVSTORE_NATIVE=0) continues exactly as a
@@ -38,6 +43,7 @@ ENV = "KVSTORE_NATIVE"
 SOURCE = Path(__file__).with_name("kernels_bf16.cpp")
 QUANT_SOURCE = Path(__file__).with_name("kernels_quant.cpp")
 ATTENTION_SOURCE = Path(__file__).with_name("attention.cpp")
+LAYERS_SOURCE = Path(__file__).with_name("layers.cpp")
 
 
 class NativeKernelWarning(UserWarning):
@@ -66,6 +72,7 @@ class QuantKernels:
 _choice: tuple[Kernels | None, str] | None = None  # (the kernels or None, why), once settled
 _quant_choice: tuple[QuantKernels | None, str] | None = None
 _attention: tuple[Callable | None, str] | None = None  # (attention_rows or None, why), once settled
+_layers: tuple[Callable | None, str] | None = None  # (llama_layers or None, why), once settled
 
 
 def kernels() -> Kernels | None:
@@ -87,7 +94,7 @@ def quant() -> QuantKernels | None:
 def will_build() -> bool:
     """Whether settling the choices now compiles kernels first (about 10 s each here, once per machine)."""
     unsettled = [src for src, choice in ((SOURCE, _choice), (QUANT_SOURCE, _quant_choice),
-                                         (ATTENTION_SOURCE, _attention)) if choice is None]
+                                         (ATTENTION_SOURCE, _attention), (LAYERS_SOURCE, _layers)) if choice is None]
     return os.environ.get(ENV) != "0" and has_compiler() and not all(is_built(src) for src in unsettled)
 
 
@@ -109,6 +116,22 @@ def attention_status() -> str:
     return _attention[1]
 
 
+def layers_status() -> str:
+    """Whether a forward's layer stack runs in one native call, and why: one line."""
+    layers()
+    return _layers[1]
+
+
+def layers() -> Callable | None:
+    """The native layer stack of a Llama forward, or None (see the module's docstring)."""
+    global _layers
+    if _layers is None:
+        _layers = _load_layers()
+    if kernels() is None or quant() is None or attention() is None:  # the kernels it calls are not this process's
+        return None
+    return _layers[0]
+
+
 def attention() -> Callable | None:
     """The native attention over a paged bfloat16 KV cache, or None (see the module's docstring)."""
     global _attention
@@ -117,16 +140,17 @@ def attention() -> Callable | None:
     return _attention[0]
 
 
-def _built(source: Path, cost: str) -> str | None:
-    """Why source's library cannot serve this process (then warned once), or None once it is loaded."""
+def _built(source: Path, cost: str, instead: str = "torch's kernels") -> str | None:
+    """Why source's library cannot serve this process (then warned once), or None once it is loaded;
+    `instead`: what runs without it."""
     if os.environ.get(ENV) == "0":
-        return f"torch's kernels ({ENV}=0)"
+        return f"{instead} ({ENV}=0)"
     try:
         load(source)
     except BuildError as e:
-        warnings.warn(f"kvstore: running on torch's kernels, {cost}: {e}. Set {ENV}=0 to silence this.",
+        warnings.warn(f"kvstore: running on {instead}, {cost}: {e}. Set {ENV}=0 to silence this.",
                       NativeKernelWarning, stacklevel=4)
-        return f"torch's kernels (the native ones failed to build: {str(e).splitlines()[0]})"
+        return f"{instead} (the native ones failed to build: {str(e).splitlines()[0]})"
     return None
 
 
@@ -148,6 +172,15 @@ def _load_attention() -> tuple[Callable | None, str]:
     if not isa:
         return None, "torch's attention (this CPU has neither AVX512 nor AVX2)"
     return torch.ops.kvstore.attention_rows.default, f"native {isa.upper()} attention"
+
+
+def _load_layers() -> tuple[Callable | None, str]:
+    instead = "Python's loop over the layers"
+    if kernels() is None or quant() is None or attention() is None:  # it calls their kernels
+        return None, f"{instead} (a kernel library it calls is not in use)"
+    if (why := _built(LAYERS_SOURCE, "decoding about a fifth slower", instead)) is not None:
+        return None, why
+    return torch.ops.kvstore.llama_layers.default, "one native call for the layer stack"
 
 
 def _load() -> tuple[Kernels | None, str]:

@@ -76,6 +76,22 @@ def test_temperature_zero_is_argmax_whatever_the_seed():
     assert {sample(logits, greedy, seed=s, position=s) for s in range(20)} == {int(logits.argmax())}
 
 
+def test_greedy_picks_what_torch_argmax_picks_among_ties_infinities_and_nans():
+    """The first of equal maxima, +inf over any number, a NaN over everything (torch.argmax's choices,
+    which sessions made before decoded with)."""
+    greedy = SamplerSettings(temperature=0.0)
+    g = torch.Generator().manual_seed(0)
+    for i in range(300):
+        logits = torch.randint(-3, 3, (500,), generator=g).float()  # many ties
+        if i % 3 == 0:
+            logits[torch.randint(0, 500, (2,), generator=g)] = float("nan")
+        if i % 5 == 0:
+            logits[torch.randint(0, 500, (2,), generator=g)] = float("inf")
+        if i % 7 == 0:
+            logits[:] = float("-inf")
+        assert sample(logits, greedy, seed=0, position=i) == int(torch.argmax(logits)), i
+
+
 def test_low_temperature_concentrates_on_the_best_token():
     logits = torch.tensor([1.0, 2.0, 1.5])
     cold = SamplerSettings(temperature=0.05)

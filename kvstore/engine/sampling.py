@@ -29,8 +29,8 @@ def sample(logits: torch.Tensor, settings: SamplerSettings, *, seed: int, positi
     logits = logits.detach().to("cpu", torch.float32).reshape(-1)
     if settings.repetition_penalty != 1.0 and settings.repetition_window and history:
         logits = apply_repetition_penalty(logits, history[-settings.repetition_window:], settings.repetition_penalty)
-    if settings.greedy:
-        return int(torch.argmax(logits))
+    if settings.greedy:  # numpy's argmax: torch's, the first maximum (or NaN), in a tenth of its 100 µs here
+        return int(logits.numpy().argmax())
     probs = probabilities(logits, settings)
     return draw(probs, uniform(seed, position))
 

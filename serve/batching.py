@@ -75,7 +75,10 @@ class Pace:
     (max_slowdown - 1) x a decode-only step's seconds / a prompt row's seconds, within
     [LEAST, step_tokens - decode]. Until both are measured: LEAST (the first mixed steps measure them)."""
 
-    LEAST = 8  # prompt rows a step reads at least, beside any number of decode tokens
+    # prompt rows a step reads at least, beside any number of decode tokens: few, since a row deep in a
+    # long prompt costs about what a decode step of a few sessions does (its attention reads the whole
+    # prefix); at 8, 4 sessions decoding beside a 7,800-token read slowed 2.5-3x, past max_slowdown
+    LEAST = 2
     WEIGHT = 0.2  # of each new measurement in the running averages
 
     def __init__(self, step_tokens: int, max_slowdown: float):

@@ -64,7 +64,7 @@ def is_loopback(host: str) -> bool:
 @click.option("--max-slowdown", default=2.0, show_default=True, type=click.FloatRange(1.0, 1000.0),
               help="How much a long prompt being read may slow the generating sessions: a step that reads prompt "
                    "rows beside their tokens takes about this many times their step alone (learnt from the steps' "
-                   "times; at least 8 prompt rows a step, so every prompt is read).")
+                   "times; at least 2 prompt rows a step, so every prompt is read).")
 @click.option("--max-open", default=100000, show_default=True, type=click.IntRange(1, 10**9),
               help="Sessions an engine keeps in memory between requests, at most (least recently used closed first).")
 @click.option("--max-tokens", default=4096, show_default=True, type=click.IntRange(1, 10**7),

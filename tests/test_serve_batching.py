@@ -117,11 +117,11 @@ def library_completion(tmp_path, model, spec: dict) -> list[tuple]:
 
 
 def test_a_long_prompt_is_read_while_others_decode_not_after_them(tmp_path, batched_model, monkeypatch):
-    """Three sessions decode 48 tokens each while a fourth reads a prompt of many chunks: the reader
+    """Three sessions decode 96 tokens each while a fourth reads a prompt of many chunks: the reader
     gets prompt rows in every step beside their tokens (with --max-slowdown 1: the least, Pace.LEAST
     rows, where the model computes every row alone; a whole chunk otherwise), so it finishes long
     before they do, and every session's bits are the library's alone."""
-    jobs = [reading(0, 50, 2)] + [reading(j, 3, 48) for j in (1, 2, 3)]
+    jobs = [reading(0, 30, 2)] + [reading(j, 3, 96) for j in (1, 2, 3)]
     events, steps = together(tmp_path, batched_model, jobs, monkeypatch, max_slowdown=1.0)
     for spec in jobs:
         assert events[spec["id"]] == library_completion(tmp_path, batched_model, spec), spec["id"]

@@ -128,7 +128,6 @@ class Batch:
         row_len = torch.cat([positions_after(it.pos, s.rows) for it, s in zip(self.items, self.spans)])
         return slots, table, row_seq, row_len
 
-
     def layer_args(self, n_heads: int) -> tuple | None:
         """For a forward that runs its whole layer stack in one native call (`native.layers()`): every
         item's new positions claimed in its cache (`claim`), and what the call reads the caches with:

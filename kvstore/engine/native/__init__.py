@@ -118,7 +118,8 @@ def attention_status() -> str:
 
 def layers_status() -> str:
     """Whether a forward's layer stack runs in one native call, and why: one line."""
-    layers()
+    if layers() is None and _layers[0] is not None:
+        return "Python's loop over the layers (a kernel library it calls is not in use)"
     return _layers[1]
 
 

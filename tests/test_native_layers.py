@@ -152,7 +152,8 @@ def test_the_stack_stands_down_with_the_kernels_it_calls(monkeypatch):
     monkeypatch.setattr(native, "_layers", None)
     monkeypatch.setattr(native, "_attention", (None, "torch's attention (KVSTORE_NATIVE=0)"))
     assert native.layers() is None
-    assert native.layers_status() == "Python's loop over the layers (a kernel library it calls is not in use)"
+    assert native.layers_status() == native.STOOD_DOWN
+    assert native.STOOD_DOWN == "Python's loop over the layers (a kernel library it calls is not in use)"
     monkeypatch.setattr(native, "_layers", None)
     monkeypatch.setenv(native.ENV, "0")
     monkeypatch.setattr(native, "_attention", None)

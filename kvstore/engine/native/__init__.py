@@ -116,11 +116,14 @@ def attention_status() -> str:
     return _attention[1]
 
 
+LOOP = "Python's loop over the layers"  # what runs where the layer stack does not
+STOOD_DOWN = f"{LOOP} (a kernel library it calls is not in use)"
+
+
 def layers_status() -> str:
     """Whether a forward's layer stack runs in one native call, and why: one line."""
-    if layers() is None and _layers[0] is not None:
-        return "Python's loop over the layers (a kernel library it calls is not in use)"
-    return _layers[1]
+    layers()
+    return _layers[1] if _callees_in_use() else STOOD_DOWN
 
 
 def layers() -> Callable | None:
@@ -128,9 +131,13 @@ def layers() -> Callable | None:
     global _layers
     if _layers is None:
         _layers = _load_layers()
-    if kernels() is None or quant() is None or attention() is None:  # the kernels it calls are not this process's
-        return None
-    return _layers[0]
+    return _layers[0] if _callees_in_use() else None
+
+
+def _callees_in_use() -> bool:
+    """Whether this process computes with the three kernel libraries the layer stack calls (asked at
+    every call: a choice settled, or set by a test, after the stack's own)."""
+    return kernels() is not None and quant() is not None and attention() is not None
 
 
 def attention() -> Callable | None:
@@ -176,10 +183,9 @@ def _load_attention() -> tuple[Callable | None, str]:
 
 
 def _load_layers() -> tuple[Callable | None, str]:
-    instead = "Python's loop over the layers"
-    if kernels() is None or quant() is None or attention() is None:  # it calls their kernels
-        return None, f"{instead} (a kernel library it calls is not in use)"
-    if (why := _built(LAYERS_SOURCE, "decoding about a fifth slower", instead)) is not None:
+    if not _callees_in_use():  # its calls would find no kernels: not built, not loaded
+        return None, STOOD_DOWN
+    if (why := _built(LAYERS_SOURCE, "decoding about a fifth slower", LOOP)) is not None:
         return None, why
     return torch.ops.kvstore.llama_layers.default, "one native call for the layer stack"
 

@@ -27,7 +27,6 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
-#include <vector>
 
 namespace {
 

@@ -62,6 +62,26 @@ enum Isa : int64_t { AVX2 = 0, AVX_VNNI = 1, AVX512_VNNI = 2 };
 constexpr int64_t quant_bytes(int64_t kind) { return kind == Q8_0 ? 512 : 256; }
 constexpr int64_t record_bytes(int64_t kind) { return quant_bytes(kind) + 32 + (kind == Q4_1 ? 32 : 0); }
 
+// Software prefetch of the weights, measured over a decode step's 121 products with the weights
+// coming from memory (AMD EPYC Zen 4, AVX512 path, against one cache line 4 records ahead, which
+// this replaces): with none, 1 row takes 0.83-0.85x the time, 4 rows 0.71x, 8 rows 0.82-0.90x; with
+// whole records prefetched about 4 KB ahead (13 Q4_1 records, 8 of Q8_0), 1 row 0.83-0.90x, 4 rows
+// 0.74x, 8 rows 0.76-0.81x. A full tile of 8 rows computes long enough on each record for the
+// hardware's prefetcher to fall behind; fewer rows read faster without. So the AVX512 path
+// prefetches in its first pass over a row group with a full tile (later passes find the records in
+// the cache), and the 8-lane paths, which read each record twice, a half at a time, never do.
+constexpr int64_t kAheadBytes = 4096;
+constexpr int64_t ahead_records(int64_t kind) { return (kAheadBytes + record_bytes(kind) - 1) / record_bytes(kind); }
+
+// every cache line of the record `ahead_records` after rec (prefetches never fault: past the end of
+// the weights they are dropped)
+template <int64_t kind>
+inline void prefetch_ahead(const uint8_t* rec) {
+  constexpr int64_t RB = record_bytes(kind);
+  const uint8_t* next = rec + ahead_records(kind) * RB;
+  for (int64_t o = 0; o < RB; o += 64) _mm_prefetch(reinterpret_cast<const char*>(next + o), _MM_HINT_T0);
+}
+
 #define KV_AVX2 __attribute__((target("avx2,f16c,fma")))
 #define KV_AVX512_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,f16c,fma")))
 
@@ -176,7 +196,7 @@ KV_AVX512_VNNI inline __m512i dot16(__m512i acc, __m512i w, const uint8_t* x) {
 }
 
 template <int64_t kind, int N>
-KV_AVX512_VNNI void tile_avx512(const uint8_t* rec, int64_t nb, const uint8_t* act, float* out) {
+KV_AVX512_VNNI void tile_avx512(const uint8_t* rec, int64_t nb, const uint8_t* act, float* out, bool ahead) {
   constexpr int64_t QB = quant_bytes(kind), RB = record_bytes(kind);
   __m512 acc[N];
   for (int t = 0; t < N; t++) acc[t] = _mm512_setzero_ps();
@@ -192,7 +212,7 @@ KV_AVX512_VNNI void tile_avx512(const uint8_t* rec, int64_t nb, const uint8_t* a
         w[k + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
       }
     }
-    _mm_prefetch(reinterpret_cast<const char*>(rec + 4 * RB), _MM_HINT_T0);
+    if (ahead) prefetch_ahead<kind>(rec);
     const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + QB)));
     __m512 mw = _mm512_setzero_ps();
     if constexpr (kind == Q4_1) mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + QB + 32)));
@@ -309,9 +329,10 @@ KV_AVX2 void tile_half(const uint8_t* rec, int64_t nb, const uint8_t* act, float
 
 // ---- dispatch -----------------------------------------------------------------------------------------
 
+// `ahead`: prefetch the records ahead (see kAheadBytes)
 template <int64_t kind, int N>
-void tile(int64_t isa, const uint8_t* rec, int64_t nb, const uint8_t* act, float* out) {
-  if (isa == AVX512_VNNI) return tile_avx512<kind, N>(rec, nb, act, out);
+void tile(int64_t isa, const uint8_t* rec, int64_t nb, const uint8_t* act, float* out, bool ahead) {
+  if (isa == AVX512_VNNI) return tile_avx512<kind, N>(rec, nb, act, out, ahead);
   for (int half = 0; half < 2; half++) {
     if (isa == AVX_VNNI) tile_half<kind, N, true>(rec, nb, act, out, half);
     else tile_half<kind, N, false>(rec, nb, act, out, half);
@@ -319,16 +340,16 @@ void tile(int64_t isa, const uint8_t* rec, int64_t nb, const uint8_t* act, float
 }
 
 template <int64_t kind>
-void tile_rows(int64_t isa, int n, const uint8_t* rec, int64_t nb, const uint8_t* act, float* out) {
+void tile_rows(int64_t isa, int n, const uint8_t* rec, int64_t nb, const uint8_t* act, float* out, bool ahead) {
   switch (n) {
-    case 1: return tile<kind, 1>(isa, rec, nb, act, out);
-    case 2: return tile<kind, 2>(isa, rec, nb, act, out);
-    case 3: return tile<kind, 3>(isa, rec, nb, act, out);
-    case 4: return tile<kind, 4>(isa, rec, nb, act, out);
-    case 5: return tile<kind, 5>(isa, rec, nb, act, out);
-    case 6: return tile<kind, 6>(isa, rec, nb, act, out);
-    case 7: return tile<kind, 7>(isa, rec, nb, act, out);
-    default: return tile<kind, 8>(isa, rec, nb, act, out);
+    case 1: return tile<kind, 1>(isa, rec, nb, act, out, ahead);
+    case 2: return tile<kind, 2>(isa, rec, nb, act, out, ahead);
+    case 3: return tile<kind, 3>(isa, rec, nb, act, out, ahead);
+    case 4: return tile<kind, 4>(isa, rec, nb, act, out, ahead);
+    case 5: return tile<kind, 5>(isa, rec, nb, act, out, ahead);
+    case 6: return tile<kind, 6>(isa, rec, nb, act, out, ahead);
+    case 7: return tile<kind, 7>(isa, rec, nb, act, out, ahead);
+    default: return tile<kind, 8>(isa, rec, nb, act, out, ahead);
   }
 }
 
@@ -412,9 +433,10 @@ at::Tensor qgemm(const at::Tensor& w_any, int64_t kind, int64_t rows, int64_t co
       for (int64_t t0 = 0; t0 < T; t0 += kTile) {
         const int n = int(std::min(kTile, T - t0));
         const uint8_t* tile = A + (t0 / kTile) * tile_bytes;
-        if (kind == Q4_0) tile_rows<Q4_0>(isa, n, rec, nb, tile, out);
-        else if (kind == Q4_1) tile_rows<Q4_1>(isa, n, rec, nb, tile, out);
-        else tile_rows<Q8_0>(isa, n, rec, nb, tile, out);
+        const bool ahead = t0 == 0 && n == kTile;
+        if (kind == Q4_0) tile_rows<Q4_0>(isa, n, rec, nb, tile, out, ahead);
+        else if (kind == Q4_1) tile_rows<Q4_1>(isa, n, rec, nb, tile, out, ahead);
+        else tile_rows<Q8_0>(isa, n, rec, nb, tile, out, ahead);
         for (int i = 0; i < n; i++) {
           const int64_t t = t0 + i, at = (add_per_row ? t * rows : 0) + r0;
           if (bf16)

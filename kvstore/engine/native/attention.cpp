@@ -108,6 +108,7 @@ void run_unit(const Problem& pb, const Tile& t, const Unit& u, float* scratch, W
       for (int64_t i = 0; i < per_kv; i++) valid[i] = std::clamp<int64_t>(len[i] - g, 0, kGroup);
       const uint16_t* rows = pb.token(t.seq, g);
       read_in_order(rows, std::min(kGroup, t.max_len - g) * stride);
+      if (g + kGroup < end) prefetch_rows(pb.token(t.seq, g + kGroup), std::min(kGroup, t.max_len - g - kGroup) * stride);
       for (int64_t kv = 0; kv < pb.n_kv; kv++)
         st.group_step(pb, rows + kv * hd, std::min(kGroup, t.max_len - g), valid, kv * per_kv, per_kv, w);
     }

@@ -84,6 +84,15 @@ inline void read_in_order(const uint16_t* rows, int64_t elements) {
   for (int64_t b = 0; b < elements * 2; b += 64) (void)bytes[b];
 }
 
+// Prefetches the next group's rows (of the same partition) while this one computes: the touch above
+// waits for its loads, a prefetch does not. 0.89-0.96x the time of a decode layer call on two threads
+// (one sequence at 1k-8k, 8 or 16 paged sessions at 512-2k), 0.98x a 512-row prefill chunk (AMD EPYC
+// Zen 4); two groups ahead was slower. No result depends on it.
+inline void prefetch_rows(const uint16_t* rows, int64_t elements) {
+  const char* bytes = reinterpret_cast<const char*>(rows);
+  for (int64_t b = 0; b < elements * 2; b += 64) _mm_prefetch(bytes + b, _MM_HINT_T0);
+}
+
 // the output of a folded record: acc / l, rounded to bfloat16
 KV_NOINLINE void finish(const float* f, int64_t hd, uint16_t* out) {
   const float l = f[hd + 1];

@@ -77,7 +77,7 @@ FULL = {"contexts": [512, 2048], "sessions": [1, 2, 4, 8, 16], "new_tokens": 128
         "chat_conversations": 4, "chat_turns": 4, "chat_doc_tokens": 1500, "chat_max_tokens": 32,
         "prefix_cache": "1GiB", "forks": 600, "fork_doc_tokens": 2048, "fork_new_tokens": 16, "fork_clients": 8,
         "fork_kv_memory": "2GiB", "kv_memory": "2GiB", "bandwidth_mib": 1024}
-QUICK = {"contexts": [128, 256], "sessions": [1, 2, 4], "new_tokens": 16, "reps": 1,
+QUICK = {"contexts": [128, 256], "sessions": [1, 2, 4], "new_tokens": 48, "reps": 1,
          "itl_sessions": 2, "itl_context": 128, "itl_new_tokens": 32, "reader_tokens": 600,
          "chat_conversations": 2, "chat_turns": 3, "chat_doc_tokens": 600, "chat_max_tokens": 6,
          "prefix_cache": "64MiB", "forks": 8, "fork_doc_tokens": 256, "fork_new_tokens": 4, "fork_clients": 2,

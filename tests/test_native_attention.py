@@ -94,6 +94,22 @@ def test_a_prefill_chunk_is_causal_rows():
     assert_close(out.float(), expected[0].transpose(0, 1), rtol=2e-2, atol=2e-2)
 
 
+def test_weights_in_bfloat16_keep_the_error_of_the_outputs_rounding():
+    """The softmax weights go to the values rounded to bfloat16: against float64 the error stays
+    that of rounding the output itself to bfloat16 (at most 2^-8 of the largest output here), decode
+    rows and a prefill chunk alike."""
+    seqs = [s * 3 for s in sequences([2000, 700], seed=5)]
+    q = queries(40, seed=6) * 2
+    seq, lens = [0] * 30 + [1] * 10, [*range(1971, 2001), 1, 2, 3, 16, 17, 255, 300, 511, 699, 700]
+    out = run(q, *paged(seqs, block=64, shuffle=2), seq, lens).double()
+    for r in range(len(seq)):
+        kv = seqs[seq[r]][:lens[r]].double()
+        for h in range(9):
+            k, v = kv[:, 0, h // 3], kv[:, 1, h // 3]
+            expected = torch.softmax(k @ q[r, h].double() / 8, 0) @ v
+            assert (out[r, h] - expected).abs().max() <= 2 ** -8 * expected.abs().max(), (r, h)
+
+
 LENGTHS = [3000, 1, 17, 256, 513, 900, 2048, 40]  # the row under test first, then others
 
 
@@ -151,9 +167,9 @@ def test_prefill_in_one_call_in_chunks_or_by_positions_is_the_same():
         assert torch.equal(run(q[p:p + 1], pool, tables, [0], [p + 1])[0], whole[p])
 
 
-def test_scores_by_bfloat16_dot_products_equal_fused_multiply_adds():
-    """The AVX512-BF16 scores (vdpbf16ps) and those of CPUs without it (float32 fused multiply-adds in
-    the same order) agree bit for bit on values that are not subnormal."""
+def test_bfloat16_dot_products_equal_fused_multiply_adds():
+    """The AVX512-BF16 scores and weighted values (vdpbf16ps) and those of CPUs without it (float32
+    fused multiply-adds in the same order) agree bit for bit on values that are not subnormal."""
     dot = torch.ops.kvstore.attention_dot_bf16
     if not dot():
         pytest.skip("this CPU has no AVX512-BF16: the scores take fused multiply-adds only")

@@ -17,19 +17,29 @@
 //   q[2p] k[2p] (each product exact, each sum rounded) to one of two sums (even and odd pairs), added
 //   at the end, times 1/sqrt(hd); positions >= row_len are left out. vdpbf16ps computes exactly that
 //   where the CPU has AVX512-BF16, fused multiply-adds elsewhere (the same bits but for subnormals);
-// - online softmax within a partition: m' = max(m, scores), c = e^(m - m'), p = e^(s - m'),
-//   l = l c + p (16 lane sums), acc = acc c, then acc += p_j V_j by fused multiply-adds in position
-//   order; the partition's partial is (m, the lanes of l summed in a fixed tree, acc);
+// - online softmax within a partition: m' = max(m, scores), c = e^(m - m'), p = e^(s - m') rounded
+//   to bfloat16 (nearest even; below the smallest normal float32, 0), l = l c + p (16 lane sums),
+//   acc = acc c + 0 (never -0), then the values by pairs of keys in position order, pair j adding
+//   p_2j+1 V_2j+1 and then p_2j V_2j (each product exact, each sum rounded); pairs past the row's
+//   keys are left out, and a key past them in its last pair weighs 0, which adds nothing. vdpbf16ps
+//   computes that where the CPU has AVX512-BF16, fused multiply-adds elsewhere (the same bits but
+//   for subnormal values and sums). The rounded weights halve the values' arithmetic; against a
+//   float64 reference the error stays that of the output's rounding (2.3e-3 of the largest output,
+//   as with float32 weights). The partition's partial is (m, the lanes of l summed in a fixed tree,
+//   acc);
 // - partials fold left to right in partition order (`fold`), and the output is acc / l, rounded once
 //   to bfloat16 (nearest even).
-// Rows of one sequence next to each other share each load of K and V (a tile), and a long row's
-// partitions may run on several threads, their partials folded afterwards; neither changes a step
-// above: the floating-point code sits in functions that are never inlined (group_step, fold, finish,
-// lane_sum), so each is compiled once and every path runs the same instructions.
+// Rows of one sequence next to each other share each load of K and V (a tile); a sequence read by
+// several tiles (a prefill chunk) has its K and V laid out for the steps once, before the tiles run;
+// a long row's partitions may run on several threads, their partials folded afterwards. None of
+// these changes a step above: the floating-point code sits in functions that are never inlined
+// (group_step, fold, finish, lane_sum), so each is compiled once and every path runs the same
+// instructions.
 // The steps run on AVX512 (F, BW, VL: attention_steps.h) or, on CPUs without it, on AVX2 and FMA
 // (attention_steps_avx2.h: the same arithmetic on two 8-lane halves of each 16-lane vector).
 // kvstore::attention_isa() says which this CPU runs ("avx512", "avx2", or "" where neither);
-// kvstore::attention_dot_bf16() whether the scores use vdpbf16ps (tests turn it off to compare).
+// kvstore::attention_dot_bf16() whether the scores and the values use vdpbf16ps (tests turn it off to
+// compare).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -59,6 +69,7 @@ struct Tile {
   int64_t row, rows, seq, max_len;
   bool split;       // its partitions run as separate units, partials in the scratch
   int64_t scratch;  // first record of its partials: [partitions][queries]
+  int64_t layout;   // its sequence's K and V laid out once for all its tiles: first group's words, or -1
   int64_t partitions() const { return (max_len + kPartition - 1) / kPartition; }
 };
 // A tile's queries go KV head by KV head: query i is row row + (i % (rows G)) / G, head
@@ -66,14 +77,16 @@ struct Tile {
 
 // The floating-point steps of one instruction set (never inlined: see the contract above).
 struct Steps {
-  void (*group_step)(const Problem&, const uint16_t*, int64_t, const int64_t*, int64_t, int64_t, Work&);
+  void (*layout_group)(const Problem&, const uint16_t*, int64_t, uint32_t*, uint32_t*);
+  void (*group_step)(const Problem&, const uint32_t*, const uint32_t*, const uint16_t*, int64_t, const int64_t*, int64_t,
+                     int64_t, Work&);
   void (*fold)(float*, const float*, float, float, int64_t, bool);
   float (*lane_sum)(const float*);
 };
 
 const Steps& steps() {
-  static const Steps avx512_steps{&avx512::group_step, &avx512::fold, &avx512::lane_sum};
-  static const Steps avx2_steps{&avx2::group_step, &avx2::fold, &avx2::lane_sum};
+  static const Steps avx512_steps{&avx512::layout_group, &avx512::group_step, &avx512::fold, &avx512::lane_sum};
+  static const Steps avx2_steps{&avx2::layout_group, &avx2::group_step, &avx2::fold, &avx2::lane_sum};
   return has_avx512() ? avx512_steps : avx2_steps;
 }
 
@@ -86,9 +99,12 @@ struct Unit {
 
 // ---- units ----------------------------------------------------------------------------------------
 
+// 32-bit words of one group's K and V of one KV head, laid out (kt, then vt)
+int64_t layout_words(int64_t hd) { return hd / 2 * kGroup + kGroup / 2 * hd; }
+
 // partitions u.first..u.end-1 of one tile, every KV head: folded and written out when the unit holds
 // all of them, else each partial into the scratch
-void run_unit(const Problem& pb, const Tile& t, const Unit& u, float* scratch, Work& w) {
+void run_unit(const Problem& pb, const Tile& t, const Unit& u, float* scratch, const uint32_t* layouts, Work& w) {
   const Steps& st = steps();
   const int64_t G = pb.group, hd = pb.hd, per_kv = t.rows * G, nq = per_kv * pb.n_kv, rec = pb.record();
   for (int64_t i = 0; i < nq; i++) {
@@ -106,11 +122,21 @@ void run_unit(const Problem& pb, const Tile& t, const Unit& u, float* scratch, W
     std::fill(w.acc, w.acc + nq * hd, 0.0f);
     for (int64_t g = start; g < end; g += kGroup) {
       for (int64_t i = 0; i < per_kv; i++) valid[i] = std::clamp<int64_t>(len[i] - g, 0, kGroup);
+      if (t.layout >= 0) {  // laid out before the units ran
+        const uint32_t* kt = layouts + t.layout + g / kGroup * pb.n_kv * layout_words(hd);
+        for (int64_t kv = 0; kv < pb.n_kv; kv++, kt += layout_words(hd))
+          st.group_step(pb, kt, kt + hd / 2 * kGroup, nullptr, 0, valid, kv * per_kv, per_kv, w);
+        continue;
+      }
       const uint16_t* rows = pb.token(t.seq, g);
       read_in_order(rows, std::min(kGroup, t.max_len - g) * stride);
       if (g + kGroup < end) prefetch_rows(pb.token(t.seq, g + kGroup), std::min(kGroup, t.max_len - g - kGroup) * stride);
-      for (int64_t kv = 0; kv < pb.n_kv; kv++)
-        st.group_step(pb, rows + kv * hd, std::min(kGroup, t.max_len - g), valid, kv * per_kv, per_kv, w);
+      const int64_t keys = std::min(kGroup, t.max_len - g);
+      uint32_t* vt = values_from_rows(hd, per_kv) ? nullptr : w.vt;
+      for (int64_t kv = 0; kv < pb.n_kv; kv++) {
+        st.layout_group(pb, rows + kv * hd, keys, w.kt, vt);
+        st.group_step(pb, w.kt, vt, rows + (pb.n_kv + kv) * hd, keys, valid, kv * per_kv, per_kv, w);
+      }
     }
     for (int64_t i = 0; i < nq; i++) {
       if (len[i % per_kv] <= start) continue;
@@ -215,11 +241,36 @@ at::Tensor attention_rows(const at::Tensor& q, const at::Tensor& pool, const at:
   int64_t total = 0;
   for (int64_t r = 0; r < R; r++) {
     if (tiles.empty() || tiles.back().seq != pb.row_seq[r] || tiles.back().rows == tile_rows)
-      tiles.push_back(Tile{r, 0, pb.row_seq[r], 0, false, 0});
+      tiles.push_back(Tile{r, 0, pb.row_seq[r], 0, false, 0, -1});
     tiles.back().rows++;
     tiles.back().max_len = std::max<int64_t>(tiles.back().max_len, pb.row_len[r]);
     total += pb.row_len[r];
   }
+  // A sequence read by several tiles (a prefill chunk) has its K and V laid out once, for them all,
+  // not once per tile. No bit changes: a group's layout is the same data (rows past one tile's keys
+  // that another tile reads weigh 0 for the first, which adds nothing).
+  std::vector<std::pair<int64_t, int64_t>> laid;  // (sequence, its longest row) of those laid out
+  const int64_t words = layout_words(pb.hd);
+  int64_t layout_total = 0;
+  for (const Tile& t : tiles) {
+    auto at = std::find_if(laid.begin(), laid.end(), [&](const auto& x) { return x.first == t.seq; });
+    if (at == laid.end()) laid.emplace_back(t.seq, t.max_len);
+    else at->second = std::max(at->second, t.max_len);
+  }
+  std::vector<int64_t> laid_at(laid.size(), -1);  // first word of each sequence's layout, -1: not laid out
+  for (size_t i = 0; i < laid.size(); i++) {
+    if (std::count_if(tiles.begin(), tiles.end(), [&](const Tile& t) { return t.seq == laid[i].first; }) < 2) continue;
+    laid_at[i] = layout_total;
+    layout_total += (laid[i].second + kGroup - 1) / kGroup * pb.n_kv * words;
+  }
+  at::Tensor layout_memory = layout_total ? at::empty({layout_total}, q.options().dtype(at::kInt)) : at::Tensor();
+  uint32_t* layouts = layout_total ? static_cast<uint32_t*>(layout_memory.data_ptr()) : nullptr;
+  std::vector<std::pair<size_t, int64_t>> groups;  // (sequence of `laid`, group) to lay out
+  for (size_t i = 0; i < laid.size(); i++)
+    for (int64_t g = 0; laid_at[i] >= 0 && g < laid[i].second; g += kGroup) groups.emplace_back(i, g);
+  for (Tile& t : tiles)
+    t.layout = laid_at[std::find_if(laid.begin(), laid.end(), [&](const auto& x) { return x.first == t.seq; }) - laid.begin()];
+  const Steps& st = steps();
   // split what would leave threads idle: a tile with more than a quarter of a thread's share
   const int64_t threads = at::get_num_threads();
   int64_t scratch_records = 0;
@@ -237,7 +288,15 @@ at::Tensor attention_rows(const at::Tensor& q, const at::Tensor& pool, const at:
   at::Tensor scratch = at::empty({scratch_records * pb.record()}, q.options().dtype(at::kFloat));
   float* partials = scratch.data_ptr<float>();
   const int64_t queries = tile_rows * pb.n_heads;
-  each(int64_t(units.size()), queries, pb, [&](int64_t i, Work& w) { run_unit(pb, tiles[units[i].tile], units[i], partials, w); });
+  each(int64_t(groups.size()), queries, pb, [&](int64_t i, Work&) {
+    const auto [seq, g] = groups[i];
+    const uint16_t* rows = pb.token(laid[seq].first, g);
+    uint32_t* kt = layouts + laid_at[seq] + g / kGroup * pb.n_kv * words;
+    for (int64_t kv = 0; kv < pb.n_kv; kv++, kt += words)
+      st.layout_group(pb, rows + kv * pb.hd, std::min(kGroup, laid[seq].second - g), kt, kt + pb.hd / 2 * kGroup);
+  });
+  each(int64_t(units.size()), queries, pb,
+       [&](int64_t i, Work& w) { run_unit(pb, tiles[units[i].tile], units[i], partials, layouts, w); });
   if (scratch_records == 0) return out;
   std::vector<int64_t> folds;  // the split tiles
   for (int64_t i = 0; i < int64_t(tiles.size()); i++)
@@ -248,8 +307,8 @@ at::Tensor attention_rows(const at::Tensor& q, const at::Tensor& pool, const at:
 
 std::string attention_isa() { return isa(); }
 
-// Whether the scores use vdpbf16ps (by default where the CPU has it); set(false) makes them take the
-// fused multiply-adds, for tests that compare the two. Returns the setting before.
+// Whether the scores and the values use vdpbf16ps (by default where the CPU has it); set(false) makes
+// them take the fused multiply-adds, for tests that compare the two. Returns the setting before.
 bool attention_dot_bf16(std::optional<bool> set) {
   static const bool present = [] {
     __builtin_cpu_init();

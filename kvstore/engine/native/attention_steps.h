@@ -53,23 +53,25 @@ struct Work {
   std::unique_ptr<float, decltype(&std::free)> mem{nullptr, &std::free};
   float *qf, *p, *lsum, *m, *corr, *acc, *fold;
   uint16_t* qb;
-  uint32_t* kt;
+  uint32_t *kt, *pw, *vt;
   Work(int64_t queries, int64_t hd, int64_t record) {
-    const int64_t sizes[] = {queries * hd, queries * kGroup, queries * kGroup, queries,
-                             queries, queries * hd, queries * record, queries * hd / 2, hd / 2 * kGroup};
+    const int64_t sizes[] = {queries * hd, queries * kGroup, queries * kGroup, queries, queries, queries * hd,
+                             queries * record, queries * hd / 2, hd / 2 * kGroup, queries * kGroup / 2, kGroup / 2 * hd};
     int64_t total = 0;
     for (int64_t n : sizes) total += (n + 15) / 16 * 16;
     mem.reset(static_cast<float*>(std::aligned_alloc(64, total * sizeof(float))));
     TORCH_CHECK(mem, "attention_rows: out of memory");
     float* at = mem.get();
-    float* qb_kt[2];
-    float** parts[] = {&qf, &p, &lsum, &m, &corr, &acc, &fold, &qb_kt[0], &qb_kt[1]};
-    for (int i = 0; i < 9; i++) {
+    float* words[4];  // qb, kt, pw, vt: 32-bit words
+    float** parts[] = {&qf, &p, &lsum, &m, &corr, &acc, &fold, &words[0], &words[1], &words[2], &words[3]};
+    for (int i = 0; i < 11; i++) {
       *parts[i] = at;
       at += (sizes[i] + 15) / 16 * 16;
     }
-    qb = reinterpret_cast<uint16_t*>(qb_kt[0]);
-    kt = reinterpret_cast<uint32_t*>(qb_kt[1]);
+    qb = reinterpret_cast<uint16_t*>(words[0]);
+    kt = reinterpret_cast<uint32_t*>(words[1]);
+    pw = reinterpret_cast<uint32_t*>(words[2]);
+    vt = reinterpret_cast<uint32_t*>(words[3]);
   }
 };
 
@@ -105,6 +107,10 @@ inline void start_record(float* f, const float* acc, float m, float l, int64_t h
   f[hd] = m;
   f[hd + 1] = l;
 }
+
+// whether group_step may take V from the rows (vt null) for nq queries: hd in 32-dimension steps, and
+// at most kSub queries (one pass over V)
+inline bool values_from_rows(int64_t hd, int64_t nq) { return hd % 32 == 0 && nq <= kSub; }
 
 // ---- AVX512: one group of 16 keys ------------------------------------------------------------
 
@@ -186,54 +192,159 @@ KV_AVX512 void scores_fma(const uint16_t*, const float* qf, int64_t hd, const ui
   for (int i = 0; i < N; i++) _mm512_store_ps(s + i * kGroup, _mm512_mul_ps(_mm512_add_ps(sum[i][0], sum[i][1]), _mm512_set1_ps(scale)));
 }
 
-// acc[i] = acc[i] corr[i] + sum_j p[i][j] v[j] over the first valid[i] keys (V rows from v, `stride`
-// apart, widened as they are read), for N queries and W x 16 dimensions from d0; queries with no valid
-// key are left alone
+// V rows (16 from v, `stride` elements apart, the first `keys` of them; the others read as 0) ->
+// vt [8][hd]: key-pair-major, lane d of pair j holding dimension d of keys 2j (low half) and 2j + 1
+KV_AVX512 void values_by_pairs(const uint16_t* v, int64_t stride, int64_t hd, int64_t keys, uint32_t* vt) {
+  // 64-bit quarters 0, 4, 1, 5, 2, 6, 3, 7: 128-bit lane L holds dimensions 4L.. and 16 + 4L.., which
+  // the 16-bit unpacks take from each lane (low halves: 0-15, high: 16-31) beside the other row's
+  const __m512i order = _mm512_setr_epi64(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t j = 0; j < (keys + 1) / 2; j++) {
+    const uint16_t *a = v + 2 * j * stride, *b = a + stride;
+    for (int64_t d = 0; d < hd; d += 32) {
+      const __mmask32 m = hd - d >= 32 ? __mmask32(~0u) : __mmask32((1u << (hd - d)) - 1);
+      const __m512i ra = _mm512_permutexvar_epi64(order, _mm512_maskz_loadu_epi16(m, a + d));
+      const __m512i rb = 2 * j + 1 < keys ? _mm512_permutexvar_epi64(order, _mm512_maskz_loadu_epi16(m, b + d))
+                                          : _mm512_setzero_si512();
+      _mm512_store_si512(vt + j * hd + d, _mm512_unpacklo_epi16(ra, rb));
+      if (hd - d > 16) _mm512_store_si512(vt + j * hd + d + 16, _mm512_unpackhi_epi16(ra, rb));
+    }
+  }
+}
+
+// The softmax weights as the values take them: rounded to bfloat16 (nearest even), those below the
+// smallest normal float32 (e^-87.3 and less) made 0 first. Returned as float32.
+KV_AVX512 inline __m512 round_weights(__m512 p) {
+  const __m512i bits = _mm512_castps_si512(_mm512_maskz_mov_ps(_mm512_cmp_ps_mask(p, _mm512_set1_ps(0x1p-126f), _CMP_GE_OQ), p));
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i up = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
+  return _mm512_castsi512_ps(_mm512_and_si512(up, _mm512_set1_epi32(int32_t(0xffff0000u))));
+}
+
+// V's 16-dimension words (W of them, from d0) of key pair j, as vt [8][hd] holds them: from vt, or
+// (vt null, W even) made here from the first `keys` V rows at v, `stride` apart, as values_by_pairs
+// makes them: what a tile of at most kSub queries reads once takes no trip through memory
+template <int W>
+KV_AVX512 inline void pair_values(const uint32_t* vt, const uint16_t* v, int64_t stride, int64_t keys, int64_t hd,
+                                  int64_t j, int64_t d0, __m512i out[W]) {
+  if (vt) {
+    for (int w = 0; w < W; w++) out[w] = _mm512_load_si512(vt + j * hd + d0 + 16 * w);
+    return;
+  }
+  const __m512i order = _mm512_setr_epi64(0, 4, 1, 5, 2, 6, 3, 7);  // see values_by_pairs
+  const uint16_t* a = v + 2 * j * stride + d0;
+  for (int w = 0; w + 1 < W; w += 2) {
+    const __m512i ra = _mm512_permutexvar_epi64(order, _mm512_loadu_si512(a + 16 * w));
+    const __m512i rb = 2 * j + 1 < keys ? _mm512_permutexvar_epi64(order, _mm512_loadu_si512(a + stride + 16 * w))
+                                        : _mm512_setzero_si512();
+    out[w] = _mm512_unpacklo_epi16(ra, rb);
+    out[w + 1] = _mm512_unpackhi_epi16(ra, rb);
+  }
+}
+
+// The accumulators of values_bf16 / values_fma: a = acc corr + 0 (never -0, so a weight of 0 adds
+// nothing), corr alone for queries with no valid key (left alone at the end); returns the most valid
+// keys of the N queries
 template <int N, int W>
-KV_AVX512 void weighted_values(const float* p, const float* corr, const int64_t* valid, const uint16_t* v,
-                               int64_t stride, int64_t hd, int64_t d0, float* acc) {
-  __m512 a[N][W];
+KV_AVX512 inline int64_t start_values(const float* corr, const int64_t* valid, const float* acc, int64_t hd, int64_t d0,
+                                      __m512 a[N][W]) {
   int64_t keys = 0;
   for (int i = 0; i < N; i++) {
     keys = std::max(keys, valid[i]);
     const __m512 c = _mm512_set1_ps(corr[i]);
-    for (int w = 0; w < W; w++) a[i][w] = valid[i] ? _mm512_mul_ps(_mm512_load_ps(acc + i * hd + d0 + 16 * w), c) : c;
+    for (int w = 0; w < W; w++)
+      a[i][w] = valid[i] ? _mm512_fmadd_ps(_mm512_load_ps(acc + i * hd + d0 + 16 * w), c, _mm512_setzero_ps()) : c;
   }
-  for (int64_t j = 0; j < keys; j++) {
-    __m512 vj[W];
-    for (int w = 0; w < W; w++) vj[w] = widen16(v + j * stride + d0 + 16 * w);
-    for (int i = 0; i < N; i++) {
-      if (j >= valid[i]) continue;
-      const __m512 pj = _mm512_set1_ps(p[i * kGroup + j]);
-      for (int w = 0; w < W; w++) a[i][w] = _mm512_fmadd_ps(pj, vj[w], a[i][w]);
-    }
-  }
+  return keys;
+}
+
+template <int N, int W>
+KV_AVX512 inline void end_values(const int64_t* valid, __m512 a[N][W], int64_t hd, int64_t d0, float* acc) {
   for (int i = 0; i < N; i++)
     if (valid[i])
       for (int w = 0; w < W; w++) _mm512_store_ps(acc + i * hd + d0 + 16 * w, a[i][w]);
 }
 
+// acc[i] = acc[i] corr[i] + the weighted values of the pairs of keys that hold one of the first
+// valid[i] keys, for N queries and W x 16 dimensions from d0; pair j adds p[2j+1] v[2j+1] and then
+// p[2j] v[2j] (each product exact, each sum rounded: vdpbf16ps's steps), the weights rounded
+// (round_weights; those of keys past valid[i] are 0) in pw [N][8] as bfloat16 pairs; queries with no
+// valid key are left alone
+template <int N, int W>
+KV_AVX512_BF16 void values_bf16(const uint32_t* pw, const float*, const float* corr, const int64_t* valid,
+                                const uint32_t* vt, const uint16_t* v, int64_t stride, int64_t rows, int64_t hd,
+                                int64_t d0, float* acc) {
+  __m512 a[N][W];
+  const int64_t keys = start_values<N, W>(corr, valid, acc, hd, d0, a);
+  for (int64_t j = 0; 2 * j < keys; j++) {
+    __m512i vj[W];
+    pair_values<W>(vt, v, stride, rows, hd, j, d0, vj);
+    for (int i = 0; i < N; i++) {
+      if (2 * j >= valid[i]) continue;
+      const __m512bh pj = (__m512bh)_mm512_set1_epi32(int32_t(pw[i * kGroup / 2 + j]));
+      for (int w = 0; w < W; w++) a[i][w] = _mm512_dpbf16_ps(a[i][w], (__m512bh)vj[w], pj);
+    }
+  }
+  end_values<N, W>(valid, a, hd, d0, acc);
+}
+
+// values_bf16 by fused multiply-adds of the widened values and the rounded weights (p [N][16])
+template <int N, int W>
+KV_AVX512 void values_fma(const uint32_t*, const float* p, const float* corr, const int64_t* valid, const uint32_t* vt,
+                          const uint16_t* v, int64_t stride, int64_t rows, int64_t hd, int64_t d0, float* acc) {
+  const __m512i high = _mm512_set1_epi32(int32_t(0xffff0000u));
+  __m512 a[N][W];
+  const int64_t keys = start_values<N, W>(corr, valid, acc, hd, d0, a);
+  for (int64_t j = 0; 2 * j < keys; j++) {
+    __m512i vj[W];
+    pair_values<W>(vt, v, stride, rows, hd, j, d0, vj);
+    __m512 even[W], odd[W];
+    for (int w = 0; w < W; w++) {
+      even[w] = _mm512_castsi512_ps(_mm512_slli_epi32(vj[w], 16));
+      odd[w] = _mm512_castsi512_ps(_mm512_and_si512(vj[w], high));
+    }
+    for (int i = 0; i < N; i++) {
+      if (2 * j >= valid[i]) continue;
+      const __m512 pe = _mm512_set1_ps(p[i * kGroup + 2 * j]), po = _mm512_set1_ps(p[i * kGroup + 2 * j + 1]);
+      for (int w = 0; w < W; w++) a[i][w] = _mm512_fmadd_ps(pe, even[w], _mm512_fmadd_ps(po, odd[w], a[i][w]));
+    }
+  }
+  end_values<N, W>(valid, a, hd, d0, acc);
+}
+
 template <int N>
-void weighted_values_n(const float* p, const float* corr, const int64_t* valid, const uint16_t* v, int64_t stride,
-                       int64_t hd, int64_t d0, int64_t width, float* acc) {
-  switch (width) {
-    case 1: return weighted_values<N, 1>(p, corr, valid, v, stride, hd, d0, acc);
-    case 2: return weighted_values<N, 2>(p, corr, valid, v, stride, hd, d0, acc);
-    case 3: return weighted_values<N, 3>(p, corr, valid, v, stride, hd, d0, acc);
-    default: return weighted_values<N, 4>(p, corr, valid, v, stride, hd, d0, acc);
+void weighted_values_n(bool dot, const uint32_t* pw, const float* p, const float* corr, const int64_t* valid,
+                       const uint32_t* vt, const uint16_t* v, int64_t stride, int64_t rows, int64_t hd, int64_t d0,
+                       int64_t width, float* acc) {
+  switch (width + (dot ? 4 : 0)) {
+    case 1: return values_fma<N, 1>(pw, p, corr, valid, vt, v, stride, rows, hd, d0, acc);
+    case 2: return values_fma<N, 2>(pw, p, corr, valid, vt, v, stride, rows, hd, d0, acc);
+    case 3: return values_fma<N, 3>(pw, p, corr, valid, vt, v, stride, rows, hd, d0, acc);
+    case 4: return values_fma<N, 4>(pw, p, corr, valid, vt, v, stride, rows, hd, d0, acc);
+    case 5: return values_bf16<N, 1>(pw, p, corr, valid, vt, v, stride, rows, hd, d0, acc);
+    case 6: return values_bf16<N, 2>(pw, p, corr, valid, vt, v, stride, rows, hd, d0, acc);
+    case 7: return values_bf16<N, 3>(pw, p, corr, valid, vt, v, stride, rows, hd, d0, acc);
+    default: return values_bf16<N, 4>(pw, p, corr, valid, vt, v, stride, rows, hd, d0, acc);
   }
 }
 
-// One group for the nq queries of one KV head, the unit's queries first..first+nq-1: k points at the
-// group's first K row of that head, valid[i] counts the group's keys query first + i sees (0..16),
-// keys the most of them.
-KV_AVX512 KV_NOINLINE void group_step(const Problem& pb, const uint16_t* k, int64_t keys, const int64_t* valid,
-                                      int64_t first, int64_t nq, Work& w) {
-  const int64_t hd = pb.hd, stride = pb.token_stride(), v_off = pb.n_kv * hd;  // V of the head: v_off on
+// A group's K and V of one KV head as the steps read them: kt [hd / 2][16] (keys_by_pairs) and, unless
+// vt is null, vt [8][hd] (values_by_pairs, the first `keys` rows); k points at the group's first K row
+// of the head.
+KV_AVX512 void layout_group(const Problem& pb, const uint16_t* k, int64_t keys, uint32_t* kt, uint32_t* vt) {
+  keys_by_pairs(k, pb.token_stride(), pb.hd, kt);
+  if (vt) values_by_pairs(k + pb.n_kv * pb.hd, pb.token_stride(), pb.hd, keys, vt);  // V of the head: n_kv hd on
+}
+
+// One group for the nq queries of one KV head, the unit's queries first..first+nq-1: kt and vt hold
+// the group's K and V of that head (layout_group); vt null (values_from_rows): V from the first `keys`
+// of the V rows at v. valid[i] counts the group's keys query first + i sees (0..16).
+KV_AVX512 KV_NOINLINE void group_step(const Problem& pb, const uint32_t* kt, const uint32_t* vt, const uint16_t* v,
+                                      int64_t keys, const int64_t* valid, int64_t first, int64_t nq, Work& w) {
+  const int64_t hd = pb.hd, stride = pb.token_stride();
   const uint16_t* qb_all = w.qb + first * hd;
   float *qf_all = w.qf + first * hd, *p_all = w.p + first * kGroup, *lsum = w.lsum + first * kGroup;
   float *m_all = w.m + first, *corr_all = w.corr + first, *acc_all = w.acc + first * hd;
-  keys_by_pairs(k, stride, hd, w.kt);
+  uint32_t* pw_all = w.pw + first * kGroup / 2;
   for (int64_t i = 0; i < nq; i += kSub) {
     const int64_t n = std::min<int64_t>(kSub, nq - i);
     if (*std::max_element(valid + i, valid + i + n) == 0) continue;
@@ -241,14 +352,14 @@ KV_AVX512 KV_NOINLINE void group_step(const Problem& pb, const uint16_t* k, int6
     const float* qf = qf_all + i * hd;
     float* s = p_all + i * kGroup;
     switch (n + (pb.dot_bf16 ? 4 : 0)) {
-      case 1: scores_fma<1>(qb, qf, hd, w.kt, pb.scale, s); break;
-      case 2: scores_fma<2>(qb, qf, hd, w.kt, pb.scale, s); break;
-      case 3: scores_fma<3>(qb, qf, hd, w.kt, pb.scale, s); break;
-      case 4: scores_fma<4>(qb, qf, hd, w.kt, pb.scale, s); break;
-      case 5: scores_bf16<1>(qb, qf, hd, w.kt, pb.scale, s); break;
-      case 6: scores_bf16<2>(qb, qf, hd, w.kt, pb.scale, s); break;
-      case 7: scores_bf16<3>(qb, qf, hd, w.kt, pb.scale, s); break;
-      default: scores_bf16<4>(qb, qf, hd, w.kt, pb.scale, s); break;
+      case 1: scores_fma<1>(qb, qf, hd, kt, pb.scale, s); break;
+      case 2: scores_fma<2>(qb, qf, hd, kt, pb.scale, s); break;
+      case 3: scores_fma<3>(qb, qf, hd, kt, pb.scale, s); break;
+      case 4: scores_fma<4>(qb, qf, hd, kt, pb.scale, s); break;
+      case 5: scores_bf16<1>(qb, qf, hd, kt, pb.scale, s); break;
+      case 6: scores_bf16<2>(qb, qf, hd, kt, pb.scale, s); break;
+      case 7: scores_bf16<3>(qb, qf, hd, kt, pb.scale, s); break;
+      default: scores_bf16<4>(qb, qf, hd, kt, pb.scale, s); break;
     }
   }
   for (int64_t i = 0; i < nq; i++) {
@@ -260,9 +371,11 @@ KV_AVX512 KV_NOINLINE void group_step(const Problem& pb, const uint16_t* k, int6
     const float c = m_all[i] == kNegInf ? 0.0f
                     : m_all[i] == m     ? 1.0f
                                         : _mm512_cvtss_f32(exp_nonpositive(_mm512_set1_ps(m_all[i] - m)));
-    const __m512 p = _mm512_maskz_mov_ps(mask, exp_nonpositive(_mm512_sub_ps(s, _mm512_set1_ps(m))));
+    const __m512 p = round_weights(_mm512_maskz_mov_ps(mask, exp_nonpositive(_mm512_sub_ps(s, _mm512_set1_ps(m)))));
     _mm512_store_ps(lsum + i * kGroup, _mm512_fmadd_ps(_mm512_load_ps(lsum + i * kGroup), _mm512_set1_ps(c), p));
     _mm512_store_ps(p_all + i * kGroup, p);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(pw_all + i * kGroup / 2),  // the bfloat16 weights, by pairs
+                       _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(p), 16)));
     m_all[i] = m;
     corr_all[i] = c;
   }
@@ -271,12 +384,13 @@ KV_AVX512 KV_NOINLINE void group_step(const Problem& pb, const uint16_t* k, int6
     for (int64_t d0 = 0; d0 < hd; d0 += 64) {
       const int64_t width = std::min<int64_t>(4, (hd - d0) / 16);
       const float *p = p_all + i * kGroup, *corr = corr_all + i;
+      const uint32_t* pw = pw_all + i * kGroup / 2;
       float* acc = acc_all + i * hd;
       switch (n) {
-        case 1: weighted_values_n<1>(p, corr, valid + i, k + v_off, stride, hd, d0, width, acc); break;
-        case 2: weighted_values_n<2>(p, corr, valid + i, k + v_off, stride, hd, d0, width, acc); break;
-        case 3: weighted_values_n<3>(p, corr, valid + i, k + v_off, stride, hd, d0, width, acc); break;
-        default: weighted_values_n<4>(p, corr, valid + i, k + v_off, stride, hd, d0, width, acc); break;
+        case 1: weighted_values_n<1>(pb.dot_bf16, pw, p, corr, valid + i, vt, v, stride, keys, hd, d0, width, acc); break;
+        case 2: weighted_values_n<2>(pb.dot_bf16, pw, p, corr, valid + i, vt, v, stride, keys, hd, d0, width, acc); break;
+        case 3: weighted_values_n<3>(pb.dot_bf16, pw, p, corr, valid + i, vt, v, stride, keys, hd, d0, width, acc); break;
+        default: weighted_values_n<4>(pb.dot_bf16, pw, p, corr, valid + i, vt, v, stride, keys, hd, d0, width, acc); break;
       }
     }
   }

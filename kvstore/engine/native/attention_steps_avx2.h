@@ -62,23 +62,51 @@ KV_AVX2 void scores_fma(const float* qf, int64_t hd, const uint32_t* kt, float s
   }
 }
 
-// avx512::weighted_values for 16 dimensions from d0 (two halves)
+// V rows -> vt [8][hd], as avx512::values_by_pairs
+KV_AVX2 void values_by_pairs(const uint16_t* v, int64_t stride, int64_t hd, int64_t keys, uint32_t* vt) {
+  for (int64_t j = 0; j < (keys + 1) / 2; j++) {
+    const uint16_t *a = v + 2 * j * stride, *b = a + stride;
+    for (int64_t d = 0; d < hd; d += 8) {
+      const __m256i ra = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a + d)));
+      const __m256i rb = 2 * j + 1 < keys ? _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + d)))
+                                          : _mm256_setzero_si256();
+      _mm256_store_si256(reinterpret_cast<__m256i*>(vt + j * hd + d), _mm256_or_si256(ra, _mm256_slli_epi32(rb, 16)));
+    }
+  }
+}
+
+// avx512::round_weights on 8 lanes
+KV_AVX2 inline __m256 round_weights8(__m256 p) {
+  const __m256i bits = _mm256_castps_si256(_mm256_and_ps(_mm256_cmp_ps(p, _mm256_set1_ps(0x1p-126f), _CMP_GE_OQ), p));
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i up = _mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff)));
+  return _mm256_castsi256_ps(_mm256_and_si256(up, _mm256_set1_epi32(int32_t(0xffff0000u))));
+}
+
+// avx512::values_fma for 16 dimensions from d0 (two halves)
 template <int N>
-KV_AVX2 void weighted_values(const float* p, const float* corr, const int64_t* valid, const uint16_t* v,
-                             int64_t stride, int64_t hd, int64_t d0, float* acc) {
+KV_AVX2 void weighted_values(const float* p, const float* corr, const int64_t* valid, const uint32_t* vt, int64_t hd,
+                             int64_t d0, float* acc) {
+  const __m256i high = _mm256_set1_epi32(int32_t(0xffff0000u));
+  const __m256 zero = _mm256_setzero_ps();  // as avx512::values_fma
   __m256 a[N][2];
   int64_t keys = 0;
   for (int i = 0; i < N; i++) {
     keys = std::max(keys, valid[i]);
     const __m256 c = _mm256_set1_ps(corr[i]);
-    for (int w = 0; w < 2; w++) a[i][w] = valid[i] ? _mm256_mul_ps(_mm256_load_ps(acc + i * hd + d0 + 8 * w), c) : c;
+    for (int w = 0; w < 2; w++) a[i][w] = valid[i] ? _mm256_fmadd_ps(_mm256_load_ps(acc + i * hd + d0 + 8 * w), c, zero) : c;
   }
-  for (int64_t j = 0; j < keys; j++) {
-    const __m256 vj[2] = {widen8(v + j * stride + d0), widen8(v + j * stride + d0 + 8)};
+  for (int64_t j = 0; 2 * j < keys; j++) {
+    __m256 even[2], odd[2];
+    for (int w = 0; w < 2; w++) {
+      const __m256i v = _mm256_load_si256(reinterpret_cast<const __m256i*>(vt + j * hd + d0 + 8 * w));
+      even[w] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+      odd[w] = _mm256_castsi256_ps(_mm256_and_si256(v, high));
+    }
     for (int i = 0; i < N; i++) {
-      if (j >= valid[i]) continue;
-      const __m256 pj = _mm256_set1_ps(p[i * kGroup + j]);
-      for (int w = 0; w < 2; w++) a[i][w] = _mm256_fmadd_ps(pj, vj[w], a[i][w]);
+      if (2 * j >= valid[i]) continue;
+      const __m256 pe = _mm256_set1_ps(p[i * kGroup + 2 * j]), po = _mm256_set1_ps(p[i * kGroup + 2 * j + 1]);
+      for (int w = 0; w < 2; w++) a[i][w] = _mm256_fmadd_ps(pe, even[w], _mm256_fmadd_ps(po, odd[w], a[i][w]));
     }
   }
   for (int i = 0; i < N; i++)
@@ -93,24 +121,33 @@ KV_AVX2 inline float lane_max(__m256 v) {
   return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
 }
 
-// avx512::group_step
-KV_AVX2 KV_NOINLINE void group_step(const Problem& pb, const uint16_t* k, int64_t, const int64_t* valid,
-                                    int64_t first, int64_t nq, Work& w) {
-  const int64_t hd = pb.hd, stride = pb.token_stride(), v_off = pb.n_kv * hd;  // V of the head: v_off on
+// avx512::layout_group
+KV_AVX2 void layout_group(const Problem& pb, const uint16_t* k, int64_t keys, uint32_t* kt, uint32_t* vt) {
+  keys_by_pairs(k, pb.token_stride(), pb.hd, kt);
+  if (vt) values_by_pairs(k + pb.n_kv * pb.hd, pb.token_stride(), pb.hd, keys, vt);
+}
+
+// avx512::group_step (V from the rows: laid out here first)
+KV_AVX2 KV_NOINLINE void group_step(const Problem& pb, const uint32_t* kt, const uint32_t* vt, const uint16_t* v,
+                                    int64_t keys, const int64_t* valid, int64_t first, int64_t nq, Work& w) {
+  const int64_t hd = pb.hd;
+  if (!vt) {
+    values_by_pairs(v, pb.token_stride(), hd, keys, w.vt);
+    vt = w.vt;
+  }
   const float* qf_all = w.qf + first * hd;
   float *p_all = w.p + first * kGroup, *lsum = w.lsum + first * kGroup;
   float *m_all = w.m + first, *corr_all = w.corr + first, *acc_all = w.acc + first * hd;
-  keys_by_pairs(k, stride, hd, w.kt);
   for (int64_t i = 0; i < nq; i += kSub) {
     const int64_t n = std::min<int64_t>(kSub, nq - i);
     if (*std::max_element(valid + i, valid + i + n) == 0) continue;
     const float* qf = qf_all + i * hd;
     float* s = p_all + i * kGroup;
     switch (n) {
-      case 1: scores_fma<1>(qf, hd, w.kt, pb.scale, s); break;
-      case 2: scores_fma<2>(qf, hd, w.kt, pb.scale, s); break;
-      case 3: scores_fma<3>(qf, hd, w.kt, pb.scale, s); break;
-      default: scores_fma<4>(qf, hd, w.kt, pb.scale, s); break;
+      case 1: scores_fma<1>(qf, hd, kt, pb.scale, s); break;
+      case 2: scores_fma<2>(qf, hd, kt, pb.scale, s); break;
+      case 3: scores_fma<3>(qf, hd, kt, pb.scale, s); break;
+      default: scores_fma<4>(qf, hd, kt, pb.scale, s); break;
     }
   }
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
@@ -129,7 +166,7 @@ KV_AVX2 KV_NOINLINE void group_step(const Problem& pb, const uint16_t* k, int64_
                     : m_all[i] == m     ? 1.0f
                                         : _mm256_cvtss_f32(exp_nonpositive8(_mm256_set1_ps(m_all[i] - m)));
     for (int h = 0; h < 2; h++) {
-      const __m256 p = _mm256_and_ps(mask[h], exp_nonpositive8(_mm256_sub_ps(s[h], _mm256_set1_ps(m))));
+      const __m256 p = round_weights8(_mm256_and_ps(mask[h], exp_nonpositive8(_mm256_sub_ps(s[h], _mm256_set1_ps(m)))));
       _mm256_store_ps(li + 8 * h, _mm256_fmadd_ps(_mm256_load_ps(li + 8 * h), _mm256_set1_ps(c), p));
       _mm256_store_ps(pi + 8 * h, p);
     }
@@ -142,10 +179,10 @@ KV_AVX2 KV_NOINLINE void group_step(const Problem& pb, const uint16_t* k, int64_
     float* acc = acc_all + i * hd;
     for (int64_t d0 = 0; d0 < hd; d0 += 16) {
       switch (n) {
-        case 1: weighted_values<1>(p, corr, valid + i, k + v_off, stride, hd, d0, acc); break;
-        case 2: weighted_values<2>(p, corr, valid + i, k + v_off, stride, hd, d0, acc); break;
-        case 3: weighted_values<3>(p, corr, valid + i, k + v_off, stride, hd, d0, acc); break;
-        default: weighted_values<4>(p, corr, valid + i, k + v_off, stride, hd, d0, acc); break;
+        case 1: weighted_values<1>(p, corr, valid + i, vt, hd, d0, acc); break;
+        case 2: weighted_values<2>(p, corr, valid + i, vt, hd, d0, acc); break;
+        case 3: weighted_values<3>(p, corr, valid + i, vt, hd, d0, acc); break;
+        default: weighted_values<4>(p, corr, valid + i, vt, hd, d0, acc); break;
       }
     }
   }

@@ -205,7 +205,9 @@ def header(r: dict) -> list[str]:
         f"kvstore {WEIGHTS.get(s.get('weights', 'dense'), s.get('weights'))}, {s['dtype']} activations and KV; "
         "kvstore and its peers measured alternately (A B A B) in one process, "
         "each figure the median of the repetitions with the spread (min–max) in brackets."
-        + (f" Phases left out of this run (`--skip`): {', '.join(r['skipped'])}." if r.get("skipped") else ""), "",
+        + (f" Phases left out of this run (`--skip`): {', '.join(r['skipped'])}." if r.get("skipped") else "")
+        + "".join(f" The {phase} phase was measured by `{how}` at the same commit." for phase, how in r.get("separately", {}).items()),
+        "",
         "## Summary", "", summary_table(r), "",
         "## Machine and versions", "",
         f"- CPU: {m['cpu']} ({m['arch']}), {m['cores']} cores{cpu_features(m)}; "

@@ -204,6 +204,9 @@ def test_a_run_that_left_phases_out_says_so_and_an_unknown_phase_is_refused(caps
     text = report.markdown(r)
     assert "`python -m benchmarks run --reps 3 --skip scale,serve`" in text
     assert "Phases left out of this run (`--skip`): scale, serve." in text
+    assert "measured by" not in text
+    separately = report.markdown(r | {"separately": {"quality": "python -m benchmarks.quality"}})
+    assert "The quality phase was measured by `python -m benchmarks.quality` at the same commit." in separately
     from benchmarks.__main__ import main
 
     with pytest.raises(SystemExit):

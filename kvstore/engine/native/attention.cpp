@@ -246,30 +246,28 @@ at::Tensor attention_rows(const at::Tensor& q, const at::Tensor& pool, const at:
     tiles.back().max_len = std::max<int64_t>(tiles.back().max_len, pb.row_len[r]);
     total += pb.row_len[r];
   }
-  // A sequence read by several tiles (a prefill chunk) has its K and V laid out once, for them all,
-  // not once per tile. No bit changes: a group's layout is the same data (rows past one tile's keys
-  // that another tile reads weigh 0 for the first, which adds nothing).
-  std::vector<std::pair<int64_t, int64_t>> laid;  // (sequence, its longest row) of those laid out
+  // A sequence read by several tiles in a row (a prefill chunk) has its K and V laid out once, for
+  // them all, not once per tile. No bit changes: a group's layout is the same data (rows past one
+  // tile's keys that another tile reads weigh 0 for the first, which adds nothing).
+  struct Layout {
+    int64_t seq, max_len, at;  // at: its first word in `layouts`
+  };
+  std::vector<Layout> laid;
   const int64_t words = layout_words(pb.hd);
   int64_t layout_total = 0;
-  for (const Tile& t : tiles) {
-    auto at = std::find_if(laid.begin(), laid.end(), [&](const auto& x) { return x.first == t.seq; });
-    if (at == laid.end()) laid.emplace_back(t.seq, t.max_len);
-    else at->second = std::max(at->second, t.max_len);
-  }
-  std::vector<int64_t> laid_at(laid.size(), -1);  // first word of each sequence's layout, -1: not laid out
-  for (size_t i = 0; i < laid.size(); i++) {
-    if (std::count_if(tiles.begin(), tiles.end(), [&](const Tile& t) { return t.seq == laid[i].first; }) < 2) continue;
-    laid_at[i] = layout_total;
-    layout_total += (laid[i].second + kGroup - 1) / kGroup * pb.n_kv * words;
+  for (size_t a = 0, b; a < tiles.size(); a = b) {  // tiles a..b-1: one sequence's, in a row
+    int64_t max_len = tiles[a].max_len;
+    for (b = a + 1; b < tiles.size() && tiles[b].seq == tiles[a].seq; b++) max_len = std::max(max_len, tiles[b].max_len);
+    if (b - a < 2) continue;
+    for (size_t t = a; t < b; t++) tiles[t].layout = layout_total;
+    laid.push_back(Layout{tiles[a].seq, max_len, layout_total});
+    layout_total += (max_len + kGroup - 1) / kGroup * pb.n_kv * words;
   }
   at::Tensor layout_memory = layout_total ? at::empty({layout_total}, q.options().dtype(at::kInt)) : at::Tensor();
   uint32_t* layouts = layout_total ? static_cast<uint32_t*>(layout_memory.data_ptr()) : nullptr;
-  std::vector<std::pair<size_t, int64_t>> groups;  // (sequence of `laid`, group) to lay out
-  for (size_t i = 0; i < laid.size(); i++)
-    for (int64_t g = 0; laid_at[i] >= 0 && g < laid[i].second; g += kGroup) groups.emplace_back(i, g);
-  for (Tile& t : tiles)
-    t.layout = laid_at[std::find_if(laid.begin(), laid.end(), [&](const auto& x) { return x.first == t.seq; }) - laid.begin()];
+  std::vector<std::pair<const Layout*, int64_t>> groups;  // (its layout, group) to lay out
+  for (const Layout& l : laid)
+    for (int64_t g = 0; g < l.max_len; g += kGroup) groups.emplace_back(&l, g);
   const Steps& st = steps();
   // split what would leave threads idle: a tile with more than a quarter of a thread's share
   const int64_t threads = at::get_num_threads();
@@ -288,13 +286,14 @@ at::Tensor attention_rows(const at::Tensor& q, const at::Tensor& pool, const at:
   at::Tensor scratch = at::empty({scratch_records * pb.record()}, q.options().dtype(at::kFloat));
   float* partials = scratch.data_ptr<float>();
   const int64_t queries = tile_rows * pb.n_heads;
-  each(int64_t(groups.size()), queries, pb, [&](int64_t i, Work&) {
-    const auto [seq, g] = groups[i];
-    const uint16_t* rows = pb.token(laid[seq].first, g);
-    uint32_t* kt = layouts + laid_at[seq] + g / kGroup * pb.n_kv * words;
-    for (int64_t kv = 0; kv < pb.n_kv; kv++, kt += words)
-      st.layout_group(pb, rows + kv * pb.hd, std::min(kGroup, laid[seq].second - g), kt, kt + pb.hd / 2 * kGroup);
-  });
+  if (!groups.empty())  // (a decode step has none: no threads woken, no working memory for them)
+    each(int64_t(groups.size()), queries, pb, [&](int64_t i, Work&) {
+      const auto [l, g] = groups[i];
+      const uint16_t* rows = pb.token(l->seq, g);
+      uint32_t* kt = layouts + l->at + g / kGroup * pb.n_kv * words;
+      for (int64_t kv = 0; kv < pb.n_kv; kv++, kt += words)
+        st.layout_group(pb, rows + kv * pb.hd, std::min(kGroup, l->max_len - g), kt, kt + pb.hd / 2 * kGroup);
+    });
   each(int64_t(units.size()), queries, pb,
        [&](int64_t i, Work& w) { run_unit(pb, tiles[units[i].tile], units[i], partials, layouts, w); });
   if (scratch_records == 0) return out;

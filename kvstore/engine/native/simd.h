@@ -22,11 +22,6 @@ KV_AVX512 static inline __m512 load16(const uint16_t* p, __mmask16 m) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
 }
 
-// 16 bfloat16 values widened exactly to float32
-KV_AVX512 static inline __m512 widen16(const uint16_t* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
-
 // e^x for x <= 0: 2^n e^r with n = round(x / ln 2), r = x - n ln 2 (|r| <= 0.35, ln 2 in two parts),
 // e^r by its Taylor polynomial of degree 7 (relative error below 1e-8); scalef applies 2^n.
 KV_AVX512 static inline __m512 exp_nonpositive(__m512 x) {

@@ -5,6 +5,7 @@
 - `copy_prefix` shares whole blocks and copies the partial one; writing a trimmed position again in
   a shared block copies it first, so the other sequence's bytes never change.
 - The store restores a session into a paged cache, and checkpoints from one, byte for byte.
+- Sequences that grow in turns take their blocks in runs next to each other while the pool has room.
 - A full pool asks `on_full` to free blocks, and says what to do when it cannot.
 """
 
@@ -15,7 +16,7 @@ import torch
 
 import kvstore
 from engine_models import Q
-from kvstore.engine.paged import BlockPool, PagedCache
+from kvstore.engine.paged import RUN_BLOCKS, BlockPool, PagedCache
 from kvstore.errors import PoolFull, PoolTooSmall
 
 
@@ -58,7 +59,7 @@ def test_a_fork_shares_whole_blocks_and_a_write_into_a_shared_block_copies_it(mo
     before = pool.used
     child = parent.copy_prefix(20)
     assert child.table[0] == parent.table[0] and child.table[1] != parent.table[1]
-    assert pool.used == before + 1 and pool.refs[parent.table[0]] == 2
+    assert pool.used == before + len(child.table) - 1 and pool.refs[parent.table[0]] == 2  # its others: new
     assert all(torch.equal(a, b) for a, b in zip(child.state(), parent.state(0, 20)))
     kept = [s.clone() for s in parent.state()]
     child.trim(10)  # position 10 lies in the shared block: feeding it again must not touch the parent's
@@ -84,6 +85,28 @@ def test_the_store_restores_into_and_checkpoints_from_a_paged_cache(model, tiny,
     load_into(paged, refs, store.home, session="s")
     assert paged.length == 45 and all(torch.equal(a, b) for a, b in zip(paged.state(), expected))
     store.close()
+
+
+def test_sequences_growing_in_turns_take_blocks_in_runs_while_the_pool_has_room(model):
+    """Sessions decoding in one step ask for a block each in turn: each gets RUN_BLOCKS of them next
+    to each other (its cache read in runs, not in single blocks scattered over the pool), as long as a
+    quarter of the pool stays free; then only the blocks asked for."""
+    pool = pool_for(model, n_blocks=64)
+    a, b = PagedCache(pool), PagedCache(pool)
+    for end in range(1, 8 * pool.block_tokens + 1):  # one position more each, in turns
+        a.reserve(end)
+        b.reserve(end)
+    for c in (a, b):
+        assert len(c.table) == 8
+        for r in range(0, 8, RUN_BLOCKS):
+            assert c.table[r:r + RUN_BLOCKS] == list(range(c.table[r], c.table[r] + RUN_BLOCKS))
+    a.release()
+    again = PagedCache(pool, capacity=8 * pool.block_tokens)  # a's blocks, back in their order
+    assert again.table == sorted(again.table)
+
+    small = pool_for(model, n_blocks=8)
+    got = [len(PagedCache(small, capacity=small.block_tokens).table) for _ in range(3)]
+    assert got == [RUN_BLOCKS, 2, 1] and small.used == 7  # 2 of 8 stay free while blocks are spare
 
 
 def test_a_full_pool_asks_for_room_then_says_what_to_do(model):
@@ -182,7 +205,7 @@ def test_forks_restored_into_one_pool_share_their_documents_blocks(model, tiny, 
     used = pool.used
     b = restored("b")
     assert b.table[:4] == a.table[:4]  # the document's 64 positions: 4 blocks, shared
-    assert pool.used == used + 1  # b's own 9 positions
+    assert pool.used == used + len(b.table) - 4 and len(b.table) > 4  # b's own 9 positions: blocks past them new
     kept = [x.clone() for x in a.state()]
     b.trim(30)
     model.forward(m.ids(1, seed=9), 30, b)  # into a shared block: b gets its own copy

@@ -34,6 +34,14 @@ from .buffers import huge_pages
 from .cache import POOL
 
 BLOCK_TOKENS = 16  # positions per block: a multiple of the attention kernel's key group
+# A sequence takes its blocks in runs of this many, next to each other in the pool, while the pool has
+# room to spare (a quarter of it stays free): sessions decoding in one step would otherwise take turns
+# at the free blocks, one block each, and each read its cache in 16-position pieces scattered over the
+# pool. A batched decode step of 8 sessions at 512 positions (AMD EPYC Zen 4): with blocks taken one at
+# a time in turns, 1.09-1.11x the time of contiguous caches, in runs of 4 blocks 1.02-1.03x; 8 sessions
+# grown from 256 to 512 positions in one step each, 0.94-0.96x the step's time of one block at a time
+# (runs of 8: no better).
+RUN_BLOCKS = 4
 
 
 class BlockPool:
@@ -80,8 +88,9 @@ class BlockPool:
     def used(self) -> int:
         return self.n_blocks - len(self.free_ids)
 
-    def alloc(self, n: int, have: int = 0) -> list[int]:
-        """n more blocks for a sequence that holds `have`."""
+    def alloc(self, n: int, have: int = 0, spare: int = 0) -> list[int]:
+        """n more blocks for a sequence that holds `have`, and up to `spare` more after them where a
+        quarter of the pool stays free (never evicting for them); in ascending order."""
         if have + n > self.n_blocks:
             raise PoolTooSmall(f"{(have + n) * self.block_tokens:,} tokens of KV do not fit the KV memory "
                                f"({self.n_blocks * self.block_tokens:,} tokens, {self.n_blocks * self.block_bytes / 2**20:,.0f} "
@@ -92,7 +101,8 @@ class BlockPool:
             raise PoolFull(f"the KV memory ({self.n_blocks * self.block_bytes / 2**20:,.0f} MiB) is held by sequences "
                            f"in use: {len(self.free_ids):,} blocks free, {n:,} needed; retry when they are done, or "
                            "give it more memory (kvstore serve --kv-memory)")
-        ids = [self.free_ids.pop() for _ in range(n)]
+        n += max(0, min(spare, len(self.free_ids) - n - self.n_blocks // 4))
+        ids = sorted(self.free_ids.pop() for _ in range(n))
         for i in ids:
             self.refs[i] = 1
         return ids
@@ -102,7 +112,7 @@ class BlockPool:
             self.refs[i] += 1
 
     def free(self, ids: list[int]) -> None:
-        for i in ids:
+        for i in reversed(ids):  # a sequence's blocks come back in its order (the stack's top: its first)
             self.refs[i] -= 1
             if self.refs[i] == 0:
                 self.forget(i)
@@ -146,10 +156,12 @@ class PagedCache:
         return self._rows[start:end]
 
     def reserve(self, n_tokens: int) -> None:
-        """Blocks for `n_tokens` positions in total."""
+        """Blocks for `n_tokens` positions in total, and up to a multiple of `RUN_BLOCKS` blocks where
+        the pool has room to spare (`BlockPool.alloc`)."""
         need = -(-n_tokens // self.pool.block_tokens) - len(self.table)
         if need > 0:
-            self.table += self.pool.alloc(need, have=len(self.table))
+            spare = -(len(self.table) + need) % RUN_BLOCKS
+            self.table += self.pool.alloc(need, have=len(self.table), spare=spare)
             self._rows = self._table = None
 
     def _own(self, start: int, end: int) -> None:

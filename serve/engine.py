@@ -3,7 +3,9 @@
 It talks to the API process over one duplex pipe, in dicts:
 - API -> engine: `{"op": "run", "id", **job}`, `{"op": "cancel", "id"}`, `{"op": "stop"}`;
 - engine -> API: `{"event": "ready", "model", "pid"}` once the model is loaded, then the events of
-  each job with its `id` (a cancelled job sends nothing more: it checkpoints as it closes).
+  each job with its `id` (a cancelled job sends nothing more: it checkpoints as it closes); a step's
+  events go in one message, `{"event": "step", "events": [...]}`, in the order the jobs made them:
+  one wake-up of the API process per step, not one per session (it shares the CPUs with the engine).
 
 Every running job is advanced one event per step, a token or a prefill chunk, so one long reply
 or one long prompt does not hold back another session's tokens; the step's model calls are one
@@ -250,6 +252,7 @@ class Loop:
         done, step = self.batcher.run({job_id: (lambda job=job: next(job, _FINISHED))
                                        for job_id, job in self.running.items()})
         self._count(step)
+        events, closing = [], []
         for job_id, event in done.items():
             if isinstance(event, BaseException):
                 raise event
@@ -259,8 +262,13 @@ class Loop:
                 continue
             if event["event"] == "prefill":
                 continue  # the job had its turn: one chunk of its prompt
-            self._send({**event, "id": job_id})
+            events.append({**event, "id": job_id})
             if event["event"] in ("end", "error") and job_id in self.running:
+                closing.append(job_id)
+        if events:
+            self._send(events[0] if len(events) == 1 else {"event": "step", "events": events})
+        for job_id in closing:  # after its last event went out: the client does not wait for the checkpoint
+            if job_id in self.running:
                 self._close(job_id, self.running.pop(job_id))
 
     def _count(self, step) -> None:

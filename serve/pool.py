@@ -150,6 +150,10 @@ class Pool:
 
     def _on_message(self, worker: Worker, msg: dict[str, Any]) -> None:
         kind = msg["event"]
+        if kind == "step":  # an engine step's events, in order (engine.py)
+            for event in msg["events"]:
+                self._on_message(worker, event)
+            return
         if kind == "ready":
             worker.info = msg
             self.failed_starts[worker.index] = 0

@@ -14,10 +14,11 @@ CHUNK = 16
 
 
 class FakePipe:
-    """The engine's end of the pipe: messages queued in, events collected out."""
+    """The engine's end of the pipe: messages queued in, events collected out (a step's events in
+    `sent` one by one, as the API process reads them; `messages`: what went down the pipe)."""
 
     def __init__(self, messages):
-        self.inbox, self.sent = list(messages), []
+        self.inbox, self.sent, self.messages = list(messages), [], []
 
     def poll(self, timeout=0):
         return bool(self.inbox)
@@ -26,7 +27,8 @@ class FakePipe:
         return self.inbox.pop(0)
 
     def send(self, msg):
-        self.sent.append(msg)
+        self.messages.append(msg)
+        self.sent.extend(msg["events"] if msg["event"] == "step" else [msg])
 
 
 def run_loop(store, model, jobs: list[dict]) -> list[dict]:
@@ -81,6 +83,22 @@ def test_interleaving_changes_no_bit(tmp_path, model):
     b = chat_job("b", "two", "hello there", 6)
     together = run([a, b])
     assert together == {**run([a]), **run([b])}
+
+
+def test_the_events_of_one_step_go_to_the_api_process_in_one_message(tmp_path, model):
+    store = kvstore.open_store(tmp_path / "home")
+    engine = Engine(store, model)
+    pipe = FakePipe([chat_job("a", "one", "hello there", 4), chat_job("b", "two", "good morning", 4), {"op": "stop"}])
+    try:
+        Loop(pipe, engine).run()
+    finally:
+        engine.close()
+    steps = [[e["id"] for e in m["events"]] for m in pipe.messages if m["event"] == "step"]
+    assert ["a", "b"] in steps  # both sessions' tokens of a step: one wake-up of the API process
+    assert all(len(ids) > 1 for ids in steps) and not any(m["event"] == "step" for m in pipe.sent)
+    for job in ("a", "b"):
+        assert [m["event"] for m in pipe.sent if m.get("id") == job][-5:] == ["token"] * 4 + ["end"]
+    store.close()
 
 
 def test_a_conversation_that_ends_with_the_assistant_is_answered_whole_not_as_a_user_turn(tmp_path, model):

@@ -129,6 +129,49 @@ def test_a_rows_bits_do_not_depend_on_the_other_rows(others):
         assert torch.equal(mixed[5 + i], run(q[i:i + 1], pool, tables, [i], [LENGTHS[i]])[0])
 
 
+def forks(prefix, tails, block=16):
+    """Sequences prefix[:n] + tail (n, tail in `tails`) in one pool, as forks of one document hold it:
+    the prefix's whole blocks once, shared by every table; each sequence's partial block and tail in
+    blocks of its own. (pool, tables, the sequences)."""
+    seqs = [torch.cat([prefix[:n], t]) for n, t in tails]
+    own = [math.ceil((s.shape[0] - n // block * block) / block) for s, (n, _) in zip(seqs, tails)]
+    shared = max(n for n, _ in tails) // block
+    pool = torch.full((shared + sum(own), block, *prefix.shape[1:]), float("nan"), dtype=torch.bfloat16)
+    pool[:shared] = prefix[:shared * block].view(shared, block, *prefix.shape[1:])
+    tables = torch.full((len(seqs), max(n // block + o for (n, _), o in zip(tails, own))), -1, dtype=torch.int32)
+    at = shared
+    for i, (s, (n, _)) in enumerate(zip(seqs, tails)):
+        first = n // block
+        tables[i, :first] = torch.arange(first)
+        for b in range(first, first + own[i]):
+            rows = s[b * block:(b + 1) * block]
+            pool[at, :rows.shape[0]] = rows
+            tables[i, b] = at
+            at += 1
+    return pool, tables, seqs
+
+
+def test_sequences_that_share_blocks_keep_each_rows_bits():
+    """Forks of one document decoding in one call (a step of sessions that share a prefix in the KV
+    pool): the partitions whose blocks they share are read once for all of them, and each row keeps
+    the bits it gets alone over its own copy. Twelve sequences (more than one unit's rows), one that
+    shares only the document's first 512 positions, one with a two-row chunk, one too short to share."""
+    doc = sequences([1100], seed=7)[0]
+    tails = [(1100, t) for t in sequences([40, 700, 5, 300, 1, 90, 64, 33, 500, 12], seed=8)]
+    tails += [(512, sequences([900], seed=9)[0]), (200, sequences([30], seed=10)[0])]
+    pool, tables, seqs = forks(doc, tails)
+    seq = list(range(len(seqs))) + [1]  # sequence 1 also has the row before its last: a chunk of two
+    lens = [s.shape[0] for s in seqs] + [seqs[1].shape[0] - 1]
+    order = sorted(range(len(seq)), key=lambda r: (seq[r], lens[r]))  # a sequence's rows next to each other
+    seq, lens = [seq[r] for r in order], [lens[r] for r in order]
+    q = queries(len(seq), seed=11)
+    together = run(q, pool, tables, seq, lens)
+    own_pool, own_tables = paged(seqs, block=16, shuffle=3)
+    for r in range(len(seq)):
+        assert torch.equal(together[r], run(q[r:r + 1], own_pool, own_tables, [seq[r]], [lens[r]])[0]), r
+    assert torch.equal(run(q, own_pool, own_tables, seq, lens), together)  # the same call, nothing shared
+
+
 def test_bits_do_not_depend_on_block_size_pool_size_or_where_blocks_sit():
     seqs = sequences([2100, 700])
     q, seq, lens = queries(4, seed=3), [0, 1, 0, 0], [2100, 700, 1, 1500]

@@ -31,7 +31,9 @@
 //   to bfloat16 (nearest even).
 // Rows of one sequence next to each other share each load of K and V (a tile); a sequence read by
 // several tiles (a prefill chunk) has its K and V laid out for the steps once, before the tiles run;
-// a long row's partitions may run on several threads, their partials folded afterwards. None of
+// a long row's partitions may run on several threads, their partials folded afterwards; a partition that
+// several sequences hold in the same blocks (a step's forks of one document, prefix-cache hits) and
+// whose every position their rows see is read once for all of them (`Shared`). None of
 // these changes a step above: the floating-point code sits in functions that are never inlined
 // (group_step, fold, finish, lane_sum), so each is compiled once and every path runs the same
 // instructions.
@@ -70,6 +72,7 @@ struct Tile {
   bool split;       // its partitions run as separate units, partials in the scratch
   int64_t scratch;  // first record of its partials: [partitions][queries]
   int64_t layout;   // its sequence's K and V laid out once for all its tiles: first group's words, or -1
+  int64_t shared_parts = 0;  // its first partitions, computed by Shared units with other tiles
   int64_t partitions() const { return (max_len + kPartition - 1) / kPartition; }
 };
 // A tile's queries go KV head by KV head: query i is row row + (i % (rows G)) / G, head
@@ -93,8 +96,18 @@ const Steps& steps() {
 const char* isa() { return has_avx512() ? "avx512" : has_avx2() ? "avx2" : ""; }
 
 struct Unit {
-  int64_t tile, first, end;  // partitions first..end-1, every KV head
+  int64_t tile, first, end;  // partitions first..end-1, every KV head (a shared unit: its rows' partition first)
   int64_t cost;
+  int64_t shared = -1;  // else the index of the Shared partition it computes
+};
+
+// One partition that the tiles' sequences hold in the same blocks (forks of one document, prefix-cache
+// hits: a step's sessions that share a prefix), computed for all their rows with one load of its K
+// and V. Every row sees the whole partition. Each query's partial goes where its own tile's unit would
+// have put it (the tiles are split), so no bit changes.
+struct Shared {
+  int64_t part, seq;  // the partition, read through this sequence's table (the same blocks as the others')
+  std::vector<int64_t> tiles;
 };
 
 // ---- units ----------------------------------------------------------------------------------------
@@ -102,58 +115,104 @@ struct Unit {
 // 32-bit words of one group's K and V of one KV head, laid out (kt, then vt)
 int64_t layout_words(int64_t hd) { return hd / 2 * kGroup + kGroup / 2 * hd; }
 
-// partitions u.first..u.end-1 of one tile, every KV head: folded and written out when the unit holds
-// all of them, else each partial into the scratch
-void run_unit(const Problem& pb, const Tile& t, const Unit& u, float* scratch, const uint32_t* layouts, Work& w) {
-  const Steps& st = steps();
-  const int64_t G = pb.group, hd = pb.hd, per_kv = t.rows * G, nq = per_kv * pb.n_kv, rec = pb.record();
-  for (int64_t i = 0; i < nq; i++) {
-    const uint16_t* q = pb.q + (t.row + i % per_kv / G) * pb.q_row + (i / per_kv * G + i % G) * pb.q_head;
+// The queries of `n` rows (row[k]) into w, KV head by KV head: query i is row row[i % (n G) / G], head
+// (i / (n G)) G + i % G; the queries of one KV head are n G consecutive ones. Returns n G.
+int64_t load_queries(const Problem& pb, const int64_t* row, int64_t n, Work& w) {
+  const int64_t G = pb.group, hd = pb.hd, per_kv = n * G;
+  for (int64_t i = 0; i < per_kv * pb.n_kv; i++) {
+    const uint16_t* q = pb.q + row[i % per_kv / G] * pb.q_row + (i / per_kv * G + i % G) * pb.q_head;
     for (int64_t d = 0; d < hd; d++) w.qf[i * hd + d] = c10::BFloat16(q[d], c10::BFloat16::from_bits());  // exact
     std::copy(q, q + hd, w.qb + i * hd);
   }
-  int64_t len[kTileQueries], valid[kTileQueries];  // of the queries of one KV head (the same for each)
-  for (int64_t i = 0; i < per_kv; i++) len[i] = pb.row_len[t.row + i / G];
-  const int64_t stride = pb.token_stride();
-  for (int64_t part = u.first; part < u.end; part++) {
-    const int64_t start = part * kPartition, end = std::min(start + kPartition, t.max_len);
-    std::fill(w.m, w.m + nq, kNegInf);
-    std::fill(w.lsum, w.lsum + nq * kGroup, 0.0f);
-    std::fill(w.acc, w.acc + nq * hd, 0.0f);
-    for (int64_t g = start; g < end; g += kGroup) {
-      for (int64_t i = 0; i < per_kv; i++) valid[i] = std::clamp<int64_t>(len[i] - g, 0, kGroup);
-      if (t.layout >= 0) {  // laid out before the units ran
-        const uint32_t* kt = layouts + t.layout + g / kGroup * pb.n_kv * layout_words(hd);
-        for (int64_t kv = 0; kv < pb.n_kv; kv++, kt += layout_words(hd))
-          st.group_step(pb, kt, kt + hd / 2 * kGroup, nullptr, 0, valid, kv * per_kv, per_kv, w);
-        continue;
-      }
-      const uint16_t* rows = pb.token(t.seq, g);
-      read_in_order(rows, std::min(kGroup, t.max_len - g) * stride);
-      if (g + kGroup < end) prefetch_rows(pb.token(t.seq, g + kGroup), std::min(kGroup, t.max_len - g - kGroup) * stride);
-      const int64_t keys = std::min(kGroup, t.max_len - g);
-      uint32_t* vt = values_from_rows(hd, per_kv) ? nullptr : w.vt;
-      for (int64_t kv = 0; kv < pb.n_kv; kv++) {
-        st.layout_group(pb, rows + kv * hd, keys, w.kt, vt);
-        st.group_step(pb, w.kt, vt, rows + (pb.n_kv + kv) * hd, keys, valid, kv * per_kv, per_kv, w);
-      }
+  return per_kv;
+}
+
+// Partition `part` of sequence `seq` (read up to max_len; laid out at `layout` in layouts, or -1) for the
+// queries in w, per_kv a KV head, query i seeing len[i % per_kv] positions: the partials (m, lane sums,
+// acc) in w.
+void run_partition(const Problem& pb, int64_t seq, int64_t max_len, int64_t layout, const uint32_t* layouts,
+                   const int64_t* len, int64_t per_kv, int64_t part, Work& w) {
+  const Steps& st = steps();
+  const int64_t hd = pb.hd, nq = per_kv * pb.n_kv, stride = pb.token_stride();
+  const int64_t start = part * kPartition, end = std::min(start + kPartition, max_len);
+  int64_t valid[kTileQueries];  // of the queries of one KV head (the same for each)
+  std::fill(w.m, w.m + nq, kNegInf);
+  std::fill(w.lsum, w.lsum + nq * kGroup, 0.0f);
+  std::fill(w.acc, w.acc + nq * hd, 0.0f);
+  for (int64_t g = start; g < end; g += kGroup) {
+    for (int64_t i = 0; i < per_kv; i++) valid[i] = std::clamp<int64_t>(len[i] - g, 0, kGroup);
+    if (layout >= 0) {  // laid out before the units ran
+      const uint32_t* kt = layouts + layout + g / kGroup * pb.n_kv * layout_words(hd);
+      for (int64_t kv = 0; kv < pb.n_kv; kv++, kt += layout_words(hd))
+        st.group_step(pb, kt, kt + hd / 2 * kGroup, nullptr, 0, valid, kv * per_kv, per_kv, w);
+      continue;
     }
+    const uint16_t* rows = pb.token(seq, g);
+    read_in_order(rows, std::min(kGroup, max_len - g) * stride);
+    if (g + kGroup < end) prefetch_rows(pb.token(seq, g + kGroup), std::min(kGroup, max_len - g - kGroup) * stride);
+    const int64_t keys = std::min(kGroup, max_len - g);
+    uint32_t* vt = values_from_rows(hd, per_kv) ? nullptr : w.vt;
+    for (int64_t kv = 0; kv < pb.n_kv; kv++) {
+      st.layout_group(pb, rows + kv * hd, keys, w.kt, vt);
+      st.group_step(pb, w.kt, vt, rows + (pb.n_kv + kv) * hd, keys, valid, kv * per_kv, per_kv, w);
+    }
+  }
+}
+
+// query i's partial of partition `part` (w's, i of nq) into record `at` of the scratch: acc, m, l
+void keep_partial(const Problem& pb, const Work& w, int64_t i, float* r) {
+  const int64_t hd = pb.hd;
+  std::copy(w.acc + i * hd, w.acc + (i + 1) * hd, r);
+  r[hd] = w.m[i];
+  r[hd + 1] = steps().lane_sum(w.lsum + i * kGroup);
+}
+
+// partitions u.first..u.end-1 of one tile, every KV head (but those a Shared unit computes): folded and
+// written out when the unit holds all of them, else each partial into the scratch
+void run_unit(const Problem& pb, const Tile& t, const Unit& u, float* scratch, const uint32_t* layouts, Work& w) {
+  const Steps& st = steps();
+  const int64_t G = pb.group, hd = pb.hd, rec = pb.record();
+  int64_t row[kTileQueries], len[kTileQueries];
+  for (int64_t k = 0; k < t.rows; k++) row[k] = t.row + k;
+  const int64_t per_kv = load_queries(pb, row, t.rows, w), nq = per_kv * pb.n_kv;
+  for (int64_t i = 0; i < per_kv; i++) len[i] = pb.row_len[t.row + i / G];
+  for (int64_t part = u.first; part < u.end; part++) {
+    if (part < t.shared_parts) continue;  // computed with the other tiles that share it
+    run_partition(pb, t.seq, t.max_len, t.layout, layouts, len, per_kv, part, w);
+    const int64_t start = part * kPartition;
     for (int64_t i = 0; i < nq; i++) {
       if (len[i % per_kv] <= start) continue;
-      const float l = st.lane_sum(w.lsum + i * kGroup);
       if (t.split) {
-        float* r = scratch + (t.scratch + part * nq + i) * rec;
-        std::copy(w.acc + i * hd, w.acc + (i + 1) * hd, r);
-        r[hd] = w.m[i];
-        r[hd + 1] = l;
+        keep_partial(pb, w, i, scratch + (t.scratch + part * nq + i) * rec);
       } else {
-        st.fold(w.fold + i * rec, w.acc + i * hd, w.m[i], l, hd, part == 0);
+        st.fold(w.fold + i * rec, w.acc + i * hd, w.m[i], st.lane_sum(w.lsum + i * kGroup), hd, part == 0);
       }
     }
   }
   if (t.split) return;
   for (int64_t i = 0; i < nq; i++)
     finish(w.fold + i * rec, hd, pb.out + ((t.row + i % per_kv / G) * pb.n_heads + i / per_kv * G + i % G) * hd);
+}
+
+// one Shared partition for the rows of all its tiles: its K and V read once (see Shared)
+void run_shared(const Problem& pb, const std::vector<Tile>& tiles, const Shared& sh, float* scratch, Work& w) {
+  const int64_t G = pb.group, rec = pb.record();
+  int64_t row[kTileQueries], len[kTileQueries], n = 0;
+  for (int64_t ti : sh.tiles)
+    for (int64_t k = 0; k < tiles[ti].rows; k++) row[n++] = tiles[ti].row + k;
+  const int64_t per_kv = load_queries(pb, row, n, w), nq = per_kv * pb.n_kv;
+  for (int64_t i = 0; i < per_kv; i++) len[i] = pb.row_len[row[i / G]];
+  // where each query's partial goes: its tile's record for this partition, as run_unit numbers them
+  std::vector<int64_t> record(nq);
+  int64_t i = 0;
+  for (int64_t kv = 0; kv < pb.n_kv; kv++)
+    for (int64_t ti : sh.tiles) {
+      const Tile& t = tiles[ti];
+      const int64_t t_per_kv = t.rows * G, t_nq = t_per_kv * pb.n_kv;
+      for (int64_t j = 0; j < t_per_kv; j++) record[i++] = t.scratch + sh.part * t_nq + kv * t_per_kv + j;
+    }
+  run_partition(pb, sh.seq, (sh.part + 1) * kPartition, -1, nullptr, len, per_kv, sh.part, w);
+  for (int64_t q = 0; q < nq; q++) keep_partial(pb, w, q, scratch + record[q] * rec);
 }
 
 // a split tile's partials, folded in partition order and written out
@@ -180,6 +239,60 @@ void each(int64_t n, int64_t queries, const Problem& pb, const F& body) {
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), n);
   if (threads <= 1) return run(0, 1);  // no parallel region: its threads would only wake to wait
   at::parallel_for(0, threads, 1, run);
+}
+
+// ---- shared partitions ----------------------------------------------------------------------------
+
+// whether sequences a and b hold partition `part` in the same blocks
+bool same_blocks(const Problem& pb, int64_t a, int64_t b, int64_t part) {
+  const int64_t first = part * kPartition / pb.block_tokens, last = ((part + 1) * kPartition - 1) / pb.block_tokens;
+  for (int64_t blk = first; blk <= last; blk++)
+    if (pb.tables[a * pb.max_blocks + blk] != pb.tables[b * pb.max_blocks + blk]) return false;
+  return true;
+}
+
+// The partitions that tiles read from the same blocks (Shared): tiles read through their own tables,
+// and every row of each sees the whole partition (tiles laid out for a prefill chunk keep their own
+// reads). Partition by partition, from the first, tiles that agree on it and on every partition before
+// go together; each set is cut into units of at most tile_rows rows. Sets tiles' shared_parts.
+std::vector<Shared> find_shared(const Problem& pb, std::vector<Tile>& tiles, int64_t tile_rows) {
+  std::vector<Shared> out;
+  std::vector<int64_t> full(tiles.size());  // partitions every row of the tile sees whole
+  std::vector<std::vector<int64_t>> level(1);
+  for (int64_t i = 0; i < int64_t(tiles.size()); i++) {
+    int64_t least = tiles[i].max_len;
+    for (int64_t r = tiles[i].row; r < tiles[i].row + tiles[i].rows; r++) least = std::min<int64_t>(least, pb.row_len[r]);
+    full[i] = tiles[i].layout < 0 ? least / kPartition : 0;
+    if (full[i] > 0) level[0].push_back(i);
+  }
+  for (int64_t part = 0; !level.empty(); part++) {
+    std::vector<std::vector<int64_t>> next;
+    for (const std::vector<int64_t>& set : level) {
+      std::vector<bool> taken(set.size(), false);
+      for (size_t a = 0; a < set.size(); a++) {
+        if (taken[a] || full[set[a]] <= part) continue;
+        std::vector<int64_t> same{set[a]};
+        for (size_t b = a + 1; b < set.size(); b++)
+          if (!taken[b] && full[set[b]] > part && same_blocks(pb, tiles[set[a]].seq, tiles[set[b]].seq, part)) {
+            same.push_back(set[b]);
+            taken[b] = true;
+          }
+        if (same.size() < 2) continue;
+        for (size_t k = 0; k < same.size();) {  // units of at most tile_rows rows
+          Shared sh{part, tiles[same[k]].seq, {}};
+          for (int64_t rows = 0; k < same.size() && rows + tiles[same[k]].rows <= tile_rows; k++) {
+            rows += tiles[same[k]].rows;
+            sh.tiles.push_back(same[k]);
+            tiles[same[k]].shared_parts = part + 1;
+          }
+          out.push_back(std::move(sh));
+        }
+        next.push_back(std::move(same));
+      }
+    }
+    level = std::move(next);
+  }
+  return out;
 }
 
 // ---- the op ---------------------------------------------------------------------------------------
@@ -269,18 +382,25 @@ at::Tensor attention_rows(const at::Tensor& q, const at::Tensor& pool, const at:
   for (const Layout& l : laid)
     for (int64_t g = 0; g < l.max_len; g += kGroup) groups.emplace_back(&l, g);
   const Steps& st = steps();
-  // split what would leave threads idle: a tile with more than a quarter of a thread's share
+  const std::vector<Shared> shared = find_shared(pb, tiles, tile_rows);
+  // split what would leave threads idle: a tile with more than a quarter of a thread's share, and the
+  // tiles whose first partitions Shared units compute
   const int64_t threads = at::get_num_threads();
   int64_t scratch_records = 0;
   std::vector<Unit> units;
   for (int64_t i = 0; i < int64_t(tiles.size()); i++) {
     Tile& t = tiles[i];
-    t.split = t.partitions() > 1 && t.max_len * t.rows * 4 * threads > total;
+    t.split = t.shared_parts > 0 || (t.partitions() > 1 && t.max_len * t.rows * 4 * threads > total);
     t.scratch = scratch_records;
     if (t.split) scratch_records += t.partitions() * t.rows * pb.n_heads;
     if (!t.split) units.push_back(Unit{i, 0, t.partitions(), t.max_len * t.rows});
-    for (int64_t part = 0; t.split && part < t.partitions(); part++)
+    for (int64_t part = t.shared_parts; t.split && part < t.partitions(); part++)
       units.push_back(Unit{i, part, part + 1, std::min(kPartition, t.max_len - part * kPartition) * t.rows});
+  }
+  for (int64_t i = 0; i < int64_t(shared.size()); i++) {
+    int64_t rows = 0;
+    for (int64_t t : shared[i].tiles) rows += tiles[t].rows;
+    units.push_back(Unit{-1, shared[i].part, shared[i].part + 1, kPartition * rows, i});
   }
   std::stable_sort(units.begin(), units.end(), [](const Unit& a, const Unit& b) { return a.cost > b.cost; });
   at::Tensor scratch = at::empty({scratch_records * pb.record()}, q.options().dtype(at::kFloat));
@@ -294,8 +414,10 @@ at::Tensor attention_rows(const at::Tensor& q, const at::Tensor& pool, const at:
       for (int64_t kv = 0; kv < pb.n_kv; kv++, kt += words)
         st.layout_group(pb, rows + kv * pb.hd, std::min(kGroup, l->max_len - g), kt, kt + pb.hd / 2 * kGroup);
     });
-  each(int64_t(units.size()), queries, pb,
-       [&](int64_t i, Work& w) { run_unit(pb, tiles[units[i].tile], units[i], partials, layouts, w); });
+  each(int64_t(units.size()), queries, pb, [&](int64_t i, Work& w) {
+    if (units[i].shared >= 0) return run_shared(pb, tiles, shared[units[i].shared], partials, w);
+    run_unit(pb, tiles[units[i].tile], units[i], partials, layouts, w);
+  });
   if (scratch_records == 0) return out;
   std::vector<int64_t> folds;  // the split tiles
   for (int64_t i = 0; i < int64_t(tiles.size()); i++)

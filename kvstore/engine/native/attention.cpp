@@ -116,9 +116,11 @@ struct Shared {
 int64_t layout_words(int64_t hd) { return hd / 2 * kGroup + kGroup / 2 * hd; }
 
 // The queries of `n` rows (row[k]) into w, KV head by KV head: query i is row row[i % (n G) / G], head
-// (i / (n G)) G + i % G; the queries of one KV head are n G consecutive ones. Returns n G.
-int64_t load_queries(const Problem& pb, const int64_t* row, int64_t n, Work& w) {
+// (i / (n G)) G + i % G; the queries of one KV head are n G consecutive ones. len[i] (i < n G): the
+// positions query i of a KV head sees. Returns n G.
+int64_t load_queries(const Problem& pb, const int64_t* row, int64_t n, int64_t* len, Work& w) {
   const int64_t G = pb.group, hd = pb.hd, per_kv = n * G;
+  for (int64_t i = 0; i < per_kv; i++) len[i] = pb.row_len[row[i / G]];
   for (int64_t i = 0; i < per_kv * pb.n_kv; i++) {
     const uint16_t* q = pb.q + row[i % per_kv / G] * pb.q_row + (i / per_kv * G + i % G) * pb.q_head;
     for (int64_t d = 0; d < hd; d++) w.qf[i * hd + d] = c10::BFloat16(q[d], c10::BFloat16::from_bits());  // exact
@@ -159,7 +161,7 @@ void run_partition(const Problem& pb, int64_t seq, int64_t max_len, int64_t layo
   }
 }
 
-// query i's partial of partition `part` (w's, i of nq) into record `at` of the scratch: acc, m, l
+// query i's partial in w (run_partition's) into the record r of the scratch: acc, m, l
 void keep_partial(const Problem& pb, const Work& w, int64_t i, float* r) {
   const int64_t hd = pb.hd;
   std::copy(w.acc + i * hd, w.acc + (i + 1) * hd, r);
@@ -167,17 +169,15 @@ void keep_partial(const Problem& pb, const Work& w, int64_t i, float* r) {
   r[hd + 1] = steps().lane_sum(w.lsum + i * kGroup);
 }
 
-// partitions u.first..u.end-1 of one tile, every KV head (but those a Shared unit computes): folded and
-// written out when the unit holds all of them, else each partial into the scratch
+// partitions u.first..u.end-1 of one tile, every KV head: folded and written out when the unit holds
+// all of them, else each partial into the scratch
 void run_unit(const Problem& pb, const Tile& t, const Unit& u, float* scratch, const uint32_t* layouts, Work& w) {
   const Steps& st = steps();
   const int64_t G = pb.group, hd = pb.hd, rec = pb.record();
   int64_t row[kTileQueries], len[kTileQueries];
   for (int64_t k = 0; k < t.rows; k++) row[k] = t.row + k;
-  const int64_t per_kv = load_queries(pb, row, t.rows, w), nq = per_kv * pb.n_kv;
-  for (int64_t i = 0; i < per_kv; i++) len[i] = pb.row_len[t.row + i / G];
+  const int64_t per_kv = load_queries(pb, row, t.rows, len, w), nq = per_kv * pb.n_kv;
   for (int64_t part = u.first; part < u.end; part++) {
-    if (part < t.shared_parts) continue;  // computed with the other tiles that share it
     run_partition(pb, t.seq, t.max_len, t.layout, layouts, len, per_kv, part, w);
     const int64_t start = part * kPartition;
     for (int64_t i = 0; i < nq; i++) {
@@ -200,8 +200,7 @@ void run_shared(const Problem& pb, const std::vector<Tile>& tiles, const Shared&
   int64_t row[kTileQueries], len[kTileQueries], n = 0;
   for (int64_t ti : sh.tiles)
     for (int64_t k = 0; k < tiles[ti].rows; k++) row[n++] = tiles[ti].row + k;
-  const int64_t per_kv = load_queries(pb, row, n, w), nq = per_kv * pb.n_kv;
-  for (int64_t i = 0; i < per_kv; i++) len[i] = pb.row_len[row[i / G]];
+  const int64_t per_kv = load_queries(pb, row, n, len, w), nq = per_kv * pb.n_kv;
   // where each query's partial goes: its tile's record for this partition, as run_unit numbers them
   std::vector<int64_t> record(nq);
   int64_t i = 0;

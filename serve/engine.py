@@ -253,23 +253,25 @@ class Loop:
                                        for job_id, job in self.running.items()})
         self._count(step)
         events, closing = [], []
-        for job_id, event in done.items():
-            if isinstance(event, BaseException):
-                raise event
-            if event is _FINISHED:
-                del self.running[job_id]
-                self.engine.busy.pop(job_id, None)
-                continue
-            if event["event"] == "prefill":
-                continue  # the job had its turn: one chunk of its prompt
-            events.append({**event, "id": job_id})
-            if event["event"] in ("end", "error") and job_id in self.running:
-                closing.append(job_id)
-        if events:
-            self._send(events[0] if len(events) == 1 else {"event": "step", "events": events})
-        for job_id in closing:  # after its last event went out: the client does not wait for the checkpoint
-            if job_id in self.running:
-                self._close(job_id, self.running.pop(job_id))
+        try:
+            for job_id, event in done.items():
+                if isinstance(event, BaseException):
+                    raise event
+                if event is _FINISHED:
+                    del self.running[job_id]
+                    self.engine.busy.pop(job_id, None)
+                    continue
+                if event["event"] == "prefill":
+                    continue  # the job had its turn: one chunk of its prompt
+                events.append({**event, "id": job_id})
+                if event["event"] in ("end", "error") and job_id in self.running:
+                    closing.append(job_id)
+        finally:  # what the step made before a failure still goes out, as each event did on its own
+            if events:
+                self._send(events[0] if len(events) == 1 else {"event": "step", "events": events})
+            for job_id in closing:  # after its last event went out: the client does not wait for the checkpoint
+                if job_id in self.running:
+                    self._close(job_id, self.running.pop(job_id))
 
     def _count(self, step) -> None:
         """Each forward's size, sent to the API process's metrics at most every STATS_EVERY seconds

@@ -316,7 +316,19 @@ def machine() -> dict:
     return {"cpu": field(cpuinfo, "model name", ":") or platform.processor() or platform.machine(),
             "cores": os.cpu_count(), "ram_bytes": int(ram.split()[0]) * 1024 if ram else 0,
             "os": f"{os_name}, kernel {platform.release()}" if os_name else platform.platform(terse=True),
-            "arch": platform.machine(), "flags": cpu_flags(cpuinfo), "kernels": kernel_paths()}
+            "arch": platform.machine(), **cpu_family(cpuinfo), "flags": cpu_flags(cpuinfo), "kernels": kernel_paths()}
+
+
+def cpu_family(cpuinfo: list[str]) -> dict[str, int]:
+    """The CPU's family and model numbers (x86), which tell generations apart under one name
+    (report.generation); nothing where /proc/cpuinfo has none."""
+    def number(key: str) -> int | None:
+        line = next((ln for ln in cpuinfo if ln.split(":")[0].strip() == key), None)
+        value = line.split(":", 1)[1].strip() if line else ""
+        return int(value) if value.isdigit() else None
+
+    family, model = number("cpu family"), number("model")
+    return {"family": family, "model": model} if family is not None and model is not None else {}
 
 
 def kernel_paths() -> dict[str, str]:

@@ -426,7 +426,7 @@ def machines_section(r: dict, machines: list[dict]) -> list[str]:
     runs = [r, *machines]
     figures = [headline(x) for x in runs]
     rows = list(dict.fromkeys(row for f in figures for row in f))
-    cols = [f"{x['machine']['cpu']} ({isa_tag(x['machine'])}, {x['started'][:10]}"
+    cols = [f"{x['machine']['cpu']} ({kind_tag(x['machine'])}, {x['started'][:10]}"
             + (", this run" if i == 0 else "") + ")" for i, x in enumerate(runs)]
     lines = ["## Machine kinds", "",
              "The headline figures of this run beside the latest full run of each other machine kind "
@@ -645,7 +645,7 @@ def service_header(doc: dict, suite_machine: dict | None) -> list[str]:
              f"{cpu_features(m)}, each server on {sv['threads']} threads; llama-cpp-python "
              f"{v.get('llama-cpp-python') or 'not installed'}, openai {v.get('openai') or '?'}, kvstore commit "
              f"{v['kvstore']}." + (f" **Not the machine of the sections above** ({suite_machine['cpu']}, "
-                                   f"{isa_tag(suite_machine)}): compare "
+                                   f"{kind_tag(suite_machine)}): compare "
                                    "these figures with each other only." if other else ""), "",
              f"The workload: {cfg['conversations']} conversations, then {cfg['many']} more, each opening with a "
              f"system line of its own and a {sv['doc_chars']:,}-character document (the standard library's "
@@ -774,12 +774,36 @@ def isa_tag(m: dict) -> str:
     return m.get("arch", "cpu")
 
 
+def generation(m: dict) -> str | None:
+    """The core generation where the CPU's name does not tell it ("AMD EPYC" is a Zen 2 to a Zen 5, whose
+    AVX-512 units differ: Zen 4 splits a 512-bit operation in two halves, Zen 5 does not), from the CPU
+    family and model that `machine()` records; None where they are not recorded (older files) or the
+    name says enough."""
+    family, model = m.get("family"), m.get("model")
+    if family is None or "AMD" not in m.get("cpu", ""):
+        return None
+    if family == 0x17:
+        return "zen2" if model >= 0x30 else "zen1"
+    if family == 0x19:
+        return "zen4" if (0x10 <= model <= 0x1f or 0x60 <= model <= 0xaf) else "zen3"
+    if family == 0x1a:
+        return "zen5"
+    return f"family{family}"
+
+
+def kind_tag(m: dict) -> str:
+    """The machine kind beside its CPU's name: the generation where known, then the widest kernel
+    path ("zen5, avx512", "amx")."""
+    return ", ".join(t for t in (generation(m), isa_tag(m)) if t)
+
+
 def cpu_slug(r: dict) -> str:
-    """A file name for the run's machine kind: the CPU's name and its widest kernel path
-    (`intel-r-xeon-r-processor-amx`, `amd-epyc-avx512`, `amd-epyc-avx2`): one name ("AMD EPYC")
-    covers CPUs of different instruction sets, hence kernels."""
+    """A file name for the run's machine kind: the CPU's name, its generation where the name does not
+    tell it, and its widest kernel path (`intel-r-xeon-r-processor-amx`, `amd-epyc-zen4-avx512`,
+    `amd-epyc-zen5-avx512`, `amd-epyc-avx2`): one name ("AMD EPYC") covers CPUs of different
+    instruction sets and cores, hence kernels and speeds."""
     name = re.sub(r"[^a-z0-9]+", "-", r["machine"]["cpu"].lower()).strip("-") or "unknown-cpu"
-    return f"{name}-{isa_tag(r['machine'])}"
+    return f"{name}-{kind_tag(r['machine']).replace(', ', '-')}"
 
 
 def readme_section(r: dict, services: list[dict] = ()) -> str:
@@ -789,7 +813,7 @@ def readme_section(r: dict, services: list[dict] = ()) -> str:
             service += [f"`kvstore serve` against llama.cpp's server (`python -m benchmarks.serve` on "
                         f"{doc['started']}, "
                         f"{doc['serve']['threads']} threads of a {doc['machine']['cores']}-core {doc['machine']['cpu']} "
-                        f"({isa_tag(doc['machine'])})"
+                        f"({kind_tag(doc['machine'])})"
                         f"{', not the CPU above' if cpu_slug(doc) != cpu_slug(r) else ''}): "
                         "TTFT p50, llama.cpp in its best prompt-cache mode for each case "
                         "([Service](benchmarks/REPORT.md#service)).", "", service_table(doc["serve"]), ""]
@@ -797,7 +821,7 @@ def readme_section(r: dict, services: list[dict] = ()) -> str:
         f"Measured by `python -m benchmarks run` on {r['started']}: SmolLM2-135M-Instruct (kvstore "
         f"{WEIGHTS[upgrade(r)['settings']['weights']]}, bf16 activations) on "
         f"{r['settings']['threads']} threads of a {r['machine']['cores']}-core {r['machine']['cpu']} "
-        f"({isa_tag(r['machine'])}), "
+        f"({kind_tag(r['machine'])}), "
         "kvstore and its peers (HF transformers, llama.cpp) alternating; median (min–max). "
         "The full report, with every figure, the machine, the versions and the plots: "
         "[benchmarks/REPORT.md](benchmarks/REPORT.md).", "", summary_table(r), "", *service,

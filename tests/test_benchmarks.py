@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from benchmarks import __main__ as bench_main
 from benchmarks import bandwidth, engine, quality, report, serve
 
 CONTEXTS = (1024, 2048, 8160)
@@ -355,6 +356,34 @@ def test_machine_kinds_sit_side_by_side_and_a_missing_figure_shows_a_dash(tmp_pa
     assert "| decode at 1k: kvstore ÷ llama.cpp | 1.05× | 1.05× | 1.05× |" in table
     assert "| perplexity: kvstore vs llama.cpp | +0.50 % | +0.50 % | — |" in table
     assert "| restore 2k cold, ms: kvstore / llama.cpp | 50.0 / 40.0 |" in table
+
+
+def test_cpus_of_one_name_and_instruction_sets_but_other_generations_are_other_kinds(tmp_path):
+    """ "AMD EPYC" names a Zen 4 and a Zen 5 alike, with the same flags: the CPU family and model that the
+    run records tell them apart (a Zen 5 runs 512-bit operations whole), so each keeps its own file."""
+    zen4, zen5 = (fake(cpu="AMD EPYC", flags=("avx2", "avx512f", "avx512_vnni")) for _ in range(2))
+    zen4["machine"] |= {"family": 25, "model": 17}
+    zen5["machine"] |= {"family": 26, "model": 2}
+    older = fake(cpu="AMD EPYC", flags=("avx2", "avx512f", "avx512_vnni"))  # recorded no family: its old name
+    assert [report.cpu_slug(r) for r in (zen4, zen5, older)] == [
+        "amd-epyc-zen4-avx512", "amd-epyc-zen5-avx512", "amd-epyc-avx512"]
+    intel = fake(cpu="Intel(R) Xeon(R) Processor")
+    intel["machine"] |= {"family": 6, "model": 143}  # Intel's names tell their generations apart
+    assert report.cpu_slug(intel) == "intel-r-xeon-r-processor-amx"
+    folder = report.machines_dir(tmp_path)
+    folder.mkdir()
+    (folder / f"{report.cpu_slug(zen4)}.json").write_text(json.dumps(zen4))
+    machines = report.published_machines(tmp_path, zen5)
+    assert [report.cpu_slug(m) for m in machines] == ["amd-epyc-zen4-avx512"]
+    table = report.markdown(zen5, (), machines).split("## Machine kinds")[1]
+    assert "| figure | AMD EPYC (zen5, avx512, 2026-11-30, this run) | AMD EPYC (zen4, avx512, 2026-11-30) |" in table
+
+
+def test_the_run_records_the_cpu_family_and_model():
+    lines = ["processor\t: 0", "vendor_id\t: AuthenticAMD", "cpu family\t: 26", "model\t\t: 2",
+             "model name\t: AMD EPYC"]
+    assert bench_main.cpu_family(lines) == {"family": 26, "model": 2}
+    assert bench_main.cpu_family(["model name\t: Some ARM CPU"]) == {}
 
 
 def test_an_older_runs_results_render_in_the_current_shape():

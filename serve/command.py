@@ -37,6 +37,9 @@ def is_loopback(host: str) -> bool:
 @click.option("--weights", type=click.Choice(["stored", "dense", "q8_0"]),
               help="How weight matrices are held: stored (a GGUF's quantized blocks, integer kernels), dense "
                    "(dequantized), q8_0 (quantized on load) [default: stored for a GGUF file where the kernels run].")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
+              help="Where the engines run the model and hold the KV memory. On cuda each session's rows are "
+                   "computed apart in a step (the bits hold; the weights are read once per session).")
 @click.option("--workers", default=1, show_default=True, type=click.IntRange(1, 64),
               help="Engine processes, each with the model; a session is pinned to one.")
 @click.option("--threads", default=0, type=click.IntRange(0, 1024),
@@ -84,7 +87,7 @@ def is_loopback(host: str) -> bool:
 @click.option("--log-format", type=click.Choice(["text", "json"]), default="text", show_default=True,
               help="One line per request: key=value text, or a JSON object.")
 @click.pass_obj
-def serve(app, host, port, model, served_model_name, dtype, weights, workers, threads, api_key_file, allow_unauthenticated,
+def serve(app, host, port, model, served_model_name, dtype, weights, device, workers, threads, api_key_file, allow_unauthenticated,
           max_queue, max_running, kv_memory, prefix_cache, step_tokens, max_slowdown, max_open, max_tokens, max_body, max_import, chunk_size, checkpoint_every, grace,
           keep_alive, log_format):
     """Serve the store over HTTP: an OpenAI-compatible API.
@@ -101,6 +104,13 @@ def serve(app, host, port, model, served_model_name, dtype, weights, workers, th
     """
     from .config import parse_size
     from .tenants import read_keys
+
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise click.UsageError("--device cuda: CUDA is not available here (no GPU, or a CPU-only build of "
+                                   "torch); use --device cpu")
 
     try:
         memory = parse_size(kv_memory)
@@ -121,7 +131,7 @@ def serve(app, host, port, model, served_model_name, dtype, weights, workers, th
         raise click.UsageError(f"--host {host} is reachable from other machines and no API keys are set: pass "
                                "--api-key-file (or $KVSTORE_API_KEYS), or --allow-unauthenticated to serve it open")
     config = ServeConfig(home=getattr(app, "home", None), index=getattr(app, "index", None), model=model,
-                         model_id=served_model_name, dtype=dtype, weights=weights, host=host, port=port,
+                         model_id=served_model_name, dtype=dtype, weights=weights, device=device, host=host, port=port,
                          workers=workers, threads=threads, api_keys=keys, allow_open=allow_unauthenticated,
                          max_queue=max_queue, max_running=max_running, max_open=max_open, kv_memory=memory, prefix_cache=prefix_budget,
                          step_tokens=step_tokens, max_slowdown=max_slowdown, max_tokens=max_tokens, max_body=max_body, max_import=max_import,

@@ -35,6 +35,7 @@ class ServeConfig:
     model_id: str | None = None  # the name /v1/models gives it (default: the alias or the file's stem)
     dtype: str | None = None
     weights: str | None = None  # how the engines hold the weight matrices (kvstore.WEIGHT_FORMATS)
+    device: str = "cpu"  # where the engines run the model and keep the paged KV memory ("cpu" or "cuda")
     host: str = "127.0.0.1"
     port: int = 8000
     workers: int = 1  # engine processes

@@ -164,7 +164,8 @@ def main(conn, settings: dict[str, Any]) -> None:
 
     torch.set_num_threads(settings["threads"])
     store = kvstore.open_store(settings["home"], url=settings.get("index"))
-    model = kvstore.load_model(settings["model"], dtype=settings.get("dtype"), weights=settings.get("weights"))
+    model = kvstore.load_model(settings["model"], dtype=settings.get("dtype"), weights=settings.get("weights"),
+                               device=settings.get("device") or "cpu")
     engine = Engine(store, model, max_open=settings.get("max_open", 16), step_tokens=settings.get("step_tokens", 512),
                     kv_memory=settings.get("kv_memory"), max_slowdown=settings.get("max_slowdown", 2.0))
     engine.index = settings.get("engine", 0)

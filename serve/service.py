@@ -51,7 +51,7 @@ class Service:
         self.keys = Keys(config.api_keys)
         settings = {"home": str(config.home) if config.home else None, "index": config.index,
                     "model": config.model, "model_id": config.served_name(), "dtype": config.dtype,
-                    "weights": config.weights, "threads": config.engine_threads(), "max_open": config.max_open,
+                    "weights": config.weights, "device": config.device, "threads": config.engine_threads(), "max_open": config.max_open,
                     "kv_memory": config.engine_kv_memory(), "step_tokens": config.step_tokens,
                     "max_slowdown": config.max_slowdown}
         self.pool = Pool(settings, config.workers, self.metrics)

@@ -90,6 +90,10 @@ SPECS: dict[str, tuple[str, dict]] = {
                                         mlp_bias=True, rope_scaling={"rope_type": "linear", "factor": 2.0})),
     "mistral": ("MistralConfig", dict(num_key_value_heads=2, sliding_window=None)),
     "gpt2": ("GPT2Config", dict()),
+    # SmolLM2-135M's widths (hidden 576, 9 heads of 64, 3 KV heads, MLP 1536) in 2 layers: reductions as
+    # wide as the real model's, where a GPU's kernels might split them differently by the rows they get
+    "llama-wide": ("LlamaConfig", dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9,
+                                       num_key_value_heads=3, tie_word_embeddings=True)),
     # a context of 2,048 positions: conversations of ~1k tokens (the serving scale test)
     "llama-long": ("LlamaConfig", dict(num_key_value_heads=2, tie_word_embeddings=True, max_position_embeddings=2048)),
 }

@@ -49,11 +49,12 @@ def library_trace(tmp_path, model, j: int, sampling: str, max_tokens: int) -> li
     return [(d["position"], d["token"], d["logits_sha256"]) for d in lines]
 
 
-def together(tmp_path, model, jobs: list[dict], monkeypatch, max_slowdown: float = 2.0) -> tuple[dict, list]:
+def together(tmp_path, model, jobs: list[dict], monkeypatch, max_slowdown: float = 2.0,
+             kv_memory: int | None = None) -> tuple[dict, list]:
     monkeypatch.setattr(engine_module, "STATS_EVERY", 0.0)  # every forward's size in a stats message
     store = kvstore.open_store(tmp_path / "together")
     # room for every session's chunk in one forward
-    engine = Engine(store, model, step_tokens=16 * CHUNK, max_slowdown=max_slowdown)
+    engine = Engine(store, model, step_tokens=16 * CHUNK, max_slowdown=max_slowdown, kv_memory=kv_memory)
     pipe = FakePipe([*jobs, {"op": "stop"}])
     try:
         Loop(pipe, engine).run()

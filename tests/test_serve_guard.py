@@ -666,3 +666,31 @@ def test_bad_key_files_are_usage_errors(text, error, tmp_path, monkeypatch, mode
     result = CliRunner().invoke(cli, ["serve", "--api-key-file", str(keys), "--model", model_dir],
                                 env={"KVSTORE_API_KEYS": ""})
     assert result.exit_code == 2 and error in result.output, result.output
+
+
+def test_cuda_without_cuda_is_a_usage_error_before_anything_starts(tmp_path, monkeypatch, model_dir):
+    import torch
+
+    monkeypatch.setattr(command, "run", lambda config: pytest.fail("started"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    result = CliRunner().invoke(cli, ["--home", str(tmp_path / "home"), "serve", "--device", "cuda",
+                                      "--model", model_dir], env={"KVSTORE_API_KEYS": ""})
+    assert result.exit_code == 2, result.output
+    assert "CUDA is not available here" in result.output and "--device cpu" in result.output
+    assert not (tmp_path / "home").exists()
+
+
+def test_the_device_reaches_the_engines(tmp_path, monkeypatch, model_dir):
+    import torch
+
+    started = []
+    monkeypatch.setattr(command, "run", started.append)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    result = CliRunner().invoke(cli, ["serve", "--device", "cuda", "--model", model_dir], env={"KVSTORE_API_KEYS": ""})
+    assert result.exit_code == 0, result.output
+    (config,) = started
+    assert config.device == "cuda"
+    from kvstore_serve.service import Service
+
+    monkeypatch.setattr("kvstore_serve.service.Pool", lambda settings, workers, metrics: settings)
+    assert Service(config).pool["device"] == "cuda"  # the settings each engine process loads its model with

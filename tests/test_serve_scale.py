@@ -14,6 +14,7 @@ import threading
 import time
 
 import httpx
+import pytest
 
 import kvstore
 from conftest import single_thread
@@ -39,13 +40,26 @@ def turn_text(i: int, turn: int) -> str:
 
 
 def test_two_hundred_sessions_over_a_small_kv_memory_continue_exactly(tmp_path, tiny):
+    serve_and_replay(tmp_path, tiny("llama-long").folder, SESSIONS, "12MiB", "cpu")
+
+
+@pytest.mark.cuda
+def test_sessions_over_a_small_kv_memory_on_cuda_continue_exactly(tmp_path, tiny):
+    """The same on a CUDA device (`--device cuda`: the paged KV memory in the GPU's memory, each
+    session's rows computed apart in a step): 40 sessions behind room for about 11."""
+    serve_and_replay(tmp_path, tiny("llama-long").folder, 40, "3MiB", "cuda")
+
+
+def serve_and_replay(tmp_path, folder, sessions: int, kv_memory: str, device: str) -> None:
+    """`sessions` sessions driven by CLIENTS clients in random order for ROUNDS rounds on a server with
+    `--kv-memory kv_memory`, then replayed by the library alone on `device`: traces equal."""
     started = time.monotonic()
-    folder = tiny("llama-long").folder
     live = LiveServer(tmp_path / "home", str(folder), "--chunk-size", str(CHUNK), "--threads", "1",
-                      "--kv-memory", "12MiB", "--max-running", "16", "--max-queue", "1000").start()
-    traces: dict[int, list[list[dict]]] = {i: [] for i in range(SESSIONS)}
+                      "--kv-memory", kv_memory, "--max-running", "16", "--max-queue", "1000",
+                      "--device", device).start()
+    traces: dict[int, list[list[dict]]] = {i: [] for i in range(sessions)}
     failures: list[str] = []
-    rounds = [[(i, r) for i in random.Random(r).sample(range(SESSIONS), SESSIONS)] for r in range(ROUNDS)]
+    rounds = [[(i, r) for i in random.Random(r).sample(range(sessions), sessions)] for r in range(ROUNDS)]
     try:
         for work in rounds:  # within a round, 8 clients take the sessions in a random order
             todo: queue.Queue = queue.Queue()
@@ -80,12 +94,12 @@ def test_two_hundred_sessions_over_a_small_kv_memory_continue_exactly(tmp_path, 
     assert "Traceback" not in live.log(), live.log()[-3000:]
     metric = {line.split()[0]: float(line.split()[1]) for line in exposition.splitlines()
               if line.startswith("kvstore:") and " " in line}
-    assert metric["kvstore:kv_evictions_total"] > SESSIONS  # far more sessions than the memory holds
-    assert metric["kvstore:session_restore_seconds_count"] > SESSIONS  # and they came back from disk
+    assert metric["kvstore:kv_evictions_total"] > sessions  # far more sessions than the memory holds
+    assert metric["kvstore:session_restore_seconds_count"] > sessions  # and they came back from disk
 
-    model = kvstore.load_model(folder)  # what the server ran: bfloat16, the folder's dense weights
+    model = kvstore.load_model(folder, device=device)  # what the server ran: bfloat16, the folder's dense weights
     with single_thread(), kvstore.open_store(tmp_path / "replay") as store:
-        for i in range(SESSIONS):
+        for i in range(sessions):
             assert len(traces[i]) == ROUNDS, i
             with store.new(f"s{i}", model, seed=seed(i), chunk_size=CHUNK, **SAMPLING) as s:
                 for turn in range(ROUNDS):

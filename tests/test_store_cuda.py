@@ -49,7 +49,9 @@ def test_moving_between_devices_keeps_the_cache_bytes(tmp_path, folder, saved_on
         assert all(torch.equal(a, b.cpu()) for a, b in zip(saved, s.seq.cache.state()))
         if state is not None:
             assert s.seq.hidden.device.type == resumed_on and torch.equal(s.seq.hidden.cpu(), state)
-        torch.testing.assert_close(next_logits_of(s), expected, rtol=2e-2, atol=2e-2)
+        # other kernels, bfloat16 arithmetic: a logit between 4 and 8 is a multiple of 1/32 apart from
+        # the other device's (one such step seen on an H200 against the CPU's native kernels)
+        torch.testing.assert_close(next_logits_of(s), expected, rtol=2e-2, atol=1 / 16)
 
 
 def next_logits_of(session) -> torch.Tensor:

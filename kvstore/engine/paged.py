@@ -148,11 +148,11 @@ class PagedCache:
         return (2, self.n_kv_heads, self.head_dim)
 
     def rows(self, start: int, end: int) -> torch.Tensor:
-        """Flat pool row of each position start..end-1 (int64 `[end - start]`)."""
+        """Flat pool row of each position start..end-1 (int64 `[end - start]`, on the pool's device)."""
         if self._rows is None or self._rows.shape[0] < self.capacity:
             bs = self.pool.block_tokens
-            blocks = torch.tensor(self.table, dtype=torch.int64)
-            self._rows = (blocks[:, None] * bs + torch.arange(bs)).reshape(-1)
+            blocks = torch.tensor(self.table, dtype=torch.int64, device=self.device)
+            self._rows = (blocks[:, None] * bs + torch.arange(bs, device=self.device)).reshape(-1)  # [blocks * bs]
         return self._rows[start:end]
 
     def reserve(self, n_tokens: int) -> None:
@@ -232,8 +232,8 @@ class PagedCache:
             rows = [b[:per_layer].view(self.dtype).view(end - start, *self.token_shape) for b in buffers]
             yield rows
             self._own(start, end)
-            for i, r in enumerate(rows):
-                self.pool.flat(i).index_copy_(0, self.rows(start, end), r)
+            for i, r in enumerate(rows):  # the buffers are host memory; the pool may be a GPU's
+                self.pool.flat(i).index_copy_(0, self.rows(start, end), r.to(self.device))
             self.length = end
         finally:
             POOL.give(*buffers)

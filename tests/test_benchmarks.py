@@ -651,3 +651,14 @@ def test_the_quick_service_benchmark_runs_against_kvstore_serve(tmp_path, smollm
             assert t["cached_tokens"] and t["cached_tokens"] >= t["prompt_tokens"] // 2, t
     text = "\n".join(report.service_section(fake_service() | {"serve": sv}, None))
     assert "| kvstore |" in text and str(tmp_path) not in text
+
+
+def test_the_cuda_steps_benchmark_runs_small_on_the_cpu(capsys):
+    """benchmarks/cuda_steps.py measures a CUDA device's per-session steps; its code runs anywhere."""
+    from benchmarks import cuda_steps
+
+    out = cuda_steps.main(["--device", "cpu", "--layers", "1", "--vocab", "512", "--context", "40",
+                           "--sessions", "1,2", "--steps", "2", "--reps", "2"])
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == out
+    assert set(out["tok_s"]) == {"1", "2"} and all(r > 0 for r in out["tok_s"].values())
+    assert out["vs_first"]["1"] == 1.0 and all(len(r) == 2 for r in out["tok_s_runs"].values())

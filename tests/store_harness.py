@@ -107,6 +107,15 @@ def child_generate(home: str, model_path: str, name: str, n_new: int, trace: str
     conn.send(("done", len(session.tokens)))
 
 
+def child_hold(home: str, model_path: str, name: str, conn) -> None:
+    """Open an existing session as its writer and hold it, doing nothing, until killed (a writer
+    that never finishes before the test is done with it, however fast the machine)."""
+    model = kvstore.load_model(model_path)
+    session = kvstore.open_store(home).open(name, model)
+    conn.send(("ready", len(session.tokens)))
+    time.sleep(600)
+
+
 def child_new_document(home: str, model_path: str, name: str, text: str, chunk_size: int, conn, **sampling) -> None:
     """Create a session and prefill a document chunk by chunk, reporting each checkpoint."""
     torch.set_num_threads(2)

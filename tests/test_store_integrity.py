@@ -217,7 +217,7 @@ def test_a_second_writer_in_the_same_process_is_busy(saved, model):
 
 
 def test_a_second_writer_in_another_process_is_busy_at_once_and_free_after_a_kill(saved, model, model_path, tmp_path):
-    proc, conn = H.start(H.child_generate, str(tmp_path / "home"), model_path, "s", 100000, str(tmp_path / "t"), 1)
+    proc, conn = H.start(H.child_hold, str(tmp_path / "home"), model_path, "s")
     H.wait_for(conn, "ready")
     started = time.monotonic()
     with pytest.raises(SessionBusy):

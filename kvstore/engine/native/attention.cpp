@@ -47,6 +47,7 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include "check.h"
 #include "attention_steps.h"
 #include "attention_steps_avx2.h"
 #include "simd.h"
@@ -297,7 +298,7 @@ std::vector<Shared> find_shared(const Problem& pb, std::vector<Tile>& tiles, int
 // ---- the op ---------------------------------------------------------------------------------------
 
 void check_tensor(const at::Tensor& t, const char* what, at::ScalarType type, int64_t dims) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == type && t.dim() == dims, "attention_rows: ", what, " must be a ",
+  KV_CHECK(t.device().is_cpu() && t.scalar_type() == type && t.dim() == dims, "attention_rows: ", what, " must be a ",
               type, " CPU tensor with ", dims, " dimension(s), not ", t.scalar_type(), " ", t.sizes(),
               " on ", t.device());
 }
@@ -311,27 +312,27 @@ Problem problem(const at::Tensor& q, const at::Tensor& pool, const at::Tensor& t
   check_tensor(row_len, "row_len", at::kInt, 1);
   const int64_t R = q.size(0), H = q.size(1), hd = q.size(2);
   const int64_t n_blocks = pool.size(0), bt = pool.size(1), n_kv = pool.size(3);
-  TORCH_CHECK(q.stride(2) == 1, "attention_rows: q's rows must be contiguous");
-  TORCH_CHECK(pool.is_contiguous(), "attention_rows: the pool must be contiguous");
-  TORCH_CHECK(pool.size(2) == 2 && pool.size(4) == hd, "attention_rows: the pool must be [n_blocks, block_tokens, 2, ",
+  KV_CHECK(q.stride(2) == 1, "attention_rows: q's rows must be contiguous");
+  KV_CHECK(pool.is_contiguous(), "attention_rows: the pool must be contiguous");
+  KV_CHECK(pool.size(2) == 2 && pool.size(4) == hd, "attention_rows: the pool must be [n_blocks, block_tokens, 2, ",
               "n_kv, ", hd, "] for queries of ", hd, " dimensions, not ", pool.sizes());
-  TORCH_CHECK(hd % 16 == 0 && hd > 0, "attention_rows: the head dimension must be a multiple of 16, not ", hd);
-  TORCH_CHECK(bt % kGroup == 0 && bt > 0, "attention_rows: block_tokens must be a multiple of ", kGroup, ", not ", bt);
-  TORCH_CHECK(n_kv > 0 && H % n_kv == 0 && H / n_kv <= kTileQueries, "attention_rows: ", H,
+  KV_CHECK(hd % 16 == 0 && hd > 0, "attention_rows: the head dimension must be a multiple of 16, not ", hd);
+  KV_CHECK(bt % kGroup == 0 && bt > 0, "attention_rows: block_tokens must be a multiple of ", kGroup, ", not ", bt);
+  KV_CHECK(n_kv > 0 && H % n_kv == 0 && H / n_kv <= kTileQueries, "attention_rows: ", H,
               " query heads cannot share ", n_kv, " KV heads (at most ", kTileQueries, " per KV head)");
-  TORCH_CHECK(row_seq.size(0) == R && row_len.size(0) == R, "attention_rows: row_seq and row_len must hold ", R,
+  KV_CHECK(row_seq.size(0) == R && row_len.size(0) == R, "attention_rows: row_seq and row_len must hold ", R,
               " rows, one per query, not ", row_seq.size(0), " and ", row_len.size(0));
-  TORCH_CHECK(tables.is_contiguous() && row_seq.is_contiguous() && row_len.is_contiguous(),
+  KV_CHECK(tables.is_contiguous() && row_seq.is_contiguous() && row_len.is_contiguous(),
               "attention_rows: tables, row_seq and row_len must be contiguous");
   const int64_t S = tables.size(0), max_blocks = tables.size(1);
   const int32_t *tab = tables.data_ptr<int32_t>(), *seq = row_seq.data_ptr<int32_t>(), *len = row_len.data_ptr<int32_t>();
   for (int64_t r = 0; r < R; r++) {
-    TORCH_CHECK(seq[r] >= 0 && seq[r] < S, "attention_rows: row ", r, " names sequence ", seq[r], " of ", S);
-    TORCH_CHECK(len[r] >= 1 && len[r] <= max_blocks * bt, "attention_rows: row ", r, " attends to ", len[r],
+    KV_CHECK(seq[r] >= 0 && seq[r] < S, "attention_rows: row ", r, " names sequence ", seq[r], " of ", S);
+    KV_CHECK(len[r] >= 1 && len[r] <= max_blocks * bt, "attention_rows: row ", r, " attends to ", len[r],
                 " positions; its table holds 1..", max_blocks * bt);
     for (int64_t b = 0; b < (len[r] + bt - 1) / bt; b++) {
       const int32_t block = tab[seq[r] * max_blocks + b];
-      TORCH_CHECK(block >= 0 && block < n_blocks, "attention_rows: sequence ", seq[r], "'s block ", b, " is ", block,
+      KV_CHECK(block >= 0 && block < n_blocks, "attention_rows: sequence ", seq[r], "'s block ", b, " is ", block,
                   ", outside the pool's ", n_blocks, " blocks");
     }
   }
@@ -342,7 +343,7 @@ Problem problem(const at::Tensor& q, const at::Tensor& pool, const at::Tensor& t
 
 at::Tensor attention_rows(const at::Tensor& q, const at::Tensor& pool, const at::Tensor& tables,
                           const at::Tensor& row_seq, const at::Tensor& row_len) {
-  TORCH_CHECK(*isa(), "attention_rows: this CPU has neither AVX512 (F, BW, VL) nor AVX2 with FMA");
+  KV_CHECK(*isa(), "attention_rows: this CPU has neither AVX512 (F, BW, VL) nor AVX2 with FMA");
   Problem pb = problem(q, pool, tables, row_seq, row_len);
   const int64_t R = q.size(0), G = pb.group, tile_rows = std::max<int64_t>(1, kTileQueries / G);
   at::Tensor out = at::empty({R, pb.n_heads, pb.hd}, q.options());

@@ -10,6 +10,7 @@
 
 #include <immintrin.h>
 
+#include "check.h"
 #include "simd.h"
 
 #include <algorithm>
@@ -60,7 +61,7 @@ struct Work {
     int64_t total = 0;
     for (int64_t n : sizes) total += (n + 15) / 16 * 16;
     mem.reset(static_cast<float*>(std::aligned_alloc(64, total * sizeof(float))));
-    TORCH_CHECK(mem, "attention_rows: out of memory");
+    KV_CHECK(mem, "attention_rows: out of memory");
     float* at = mem.get();
     float* words[4];  // qb, kt, pw, vt: 32-bit words
     float** parts[] = {&qf, &p, &lsum, &m, &corr, &acc, &fold, &words[0], &words[1], &words[2], &words[3]};

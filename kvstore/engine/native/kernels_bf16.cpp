@@ -30,6 +30,7 @@
 
 #include <immintrin.h>
 
+#include "check.h"
 #include "kernels_bf16_avx2.h"
 #include "simd.h"
 
@@ -78,7 +79,7 @@ bool avx512_bf16() {
 std::string bf16_isa() { return avx512_bf16() ? "avx512-bf16" : has_avx2() ? "avx2" : ""; }
 
 void require_isa(const char* op) {
-  TORCH_CHECK(avx512_bf16() || has_avx2(), op, ": this CPU has neither AVX512-BF16 nor AVX2 with FMA");
+  KV_CHECK(avx512_bf16() || has_avx2(), op, ": this CPU has neither AVX512-BF16 nor AVX2 with FMA");
 }
 
 // The row steps of this CPU's path (see bf16_isa).
@@ -94,7 +95,7 @@ const Steps& steps();
 // t is a bfloat16 CPU tensor with `dims` dimensions (0: any number but none)
 void check(const at::Tensor& t, const char* op, const char* what, int64_t dims = 0) {
   const bool shaped = dims > 0 ? t.dim() == dims : t.dim() >= 1;
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kBFloat16 && shaped, op, ": ", what,
+  KV_CHECK(t.device().is_cpu() && t.scalar_type() == at::kBFloat16 && shaped, op, ": ", what,
               " must be a bfloat16 CPU tensor", dims > 0 ? " with " + std::to_string(dims) + " dimension(s)" : "");
 }
 
@@ -130,11 +131,11 @@ at::Tensor gemv_bf16(const at::Tensor& w_any, const at::Tensor& x_any, const std
   check(x_any, "gemv_bf16", "the vector", 1);
   const at::Tensor w = w_any.contiguous(), x = x_any.contiguous();
   const int64_t rows = w.size(0), n = w.size(1);
-  TORCH_CHECK(x.size(0) == n, "gemv_bf16: the vector has ", x.size(0), " elements, the matrix ", n, " columns");
+  KV_CHECK(x.size(0) == n, "gemv_bf16: the vector has ", x.size(0), " elements, the matrix ", n, " columns");
   at::Tensor add;
   if (add_any.has_value()) {
     check(*add_any, "gemv_bf16", "the addend", 1);
-    TORCH_CHECK(add_any->size(0) == rows, "gemv_bf16: the addend has ", add_any->size(0), " elements, the matrix ",
+    KV_CHECK(add_any->size(0) == rows, "gemv_bf16: the addend has ", add_any->size(0), " elements, the matrix ",
                 rows, " rows");
     add = add_any->contiguous();
   }
@@ -152,11 +153,11 @@ at::Tensor gemv_rows_bf16(const at::Tensor& w_any, const at::Tensor& x_any, cons
   check(x_any, "gemv_rows_bf16", "the rows", 2);
   const at::Tensor w = w_any.contiguous(), x = x_any.contiguous();
   const int64_t rows = w.size(0), n = w.size(1), R = x.size(0);
-  TORCH_CHECK(x.size(1) == n, "gemv_rows_bf16: the rows have ", x.size(1), " elements, the matrix ", n, " columns");
+  KV_CHECK(x.size(1) == n, "gemv_rows_bf16: the rows have ", x.size(1), " elements, the matrix ", n, " columns");
   at::Tensor add;
   if (add_any.has_value()) {
     check(*add_any, "gemv_rows_bf16", "the addend", 2);
-    TORCH_CHECK(add_any->size(0) == R && add_any->size(1) == rows, "gemv_rows_bf16: the addend must be [", R, ", ",
+    KV_CHECK(add_any->size(0) == R && add_any->size(1) == rows, "gemv_rows_bf16: the addend must be [", R, ", ",
                 rows, "]");
     add = add_any->contiguous();
   }
@@ -222,7 +223,7 @@ at::Tensor rms_norm_bf16(const at::Tensor& x_any, const at::Tensor& w_any, doubl
   check(w_any, "rms_norm_bf16", "the weight");
   const at::Tensor x = x_any.contiguous(), w = w_any.contiguous();
   const int64_t H = x.size(-1), rows = x.numel() / std::max<int64_t>(H, 1);
-  TORCH_CHECK(w.numel() >= H, "rms_norm_bf16: the weight has ", w.numel(), " elements, fewer than ", H);
+  KV_CHECK(w.numel() >= H, "rms_norm_bf16: the weight has ", w.numel(), " elements, fewer than ", H);
   at::Tensor out = at::empty(x.sizes(), x.options());
   const uint16_t *X = bits(x), *W = bits(w);
   uint16_t* O = bits_out(out);
@@ -237,7 +238,7 @@ at::Tensor swiglu_bf16(const at::Tensor& gu_any) {
   require_isa("swiglu_bf16");
   check(gu_any, "swiglu_bf16", "gate_up");
   const at::Tensor gu = gu_any.contiguous();
-  TORCH_CHECK(gu.size(-1) % 2 == 0, "swiglu_bf16: the last dimension (gate | up) must be even");
+  KV_CHECK(gu.size(-1) % 2 == 0, "swiglu_bf16: the last dimension (gate | up) must be even");
   const int64_t F = gu.size(-1) / 2, rows = gu.numel() / std::max<int64_t>(2 * F, 1);
   std::vector<int64_t> shape(gu.sizes().begin(), gu.sizes().end());
   shape.back() = F;
@@ -256,12 +257,12 @@ at::Tensor& rope_bf16_(at::Tensor& x, const at::Tensor& cos_any, const at::Tenso
   check(x, "rope_bf16_", "x");
   check(cos_any, "rope_bf16_", "cos");
   check(sin_any, "rope_bf16_", "sin");
-  TORCH_CHECK((x.dim() == 2 || x.dim() == 3) && x.stride(-1) == 1 && x.size(-1) % 2 == 0,
+  KV_CHECK((x.dim() == 2 || x.dim() == 3) && x.stride(-1) == 1 && x.size(-1) % 2 == 0,
               "rope_bf16_: x must be [T, heads, hd] or [heads, hd] with contiguous rows of even length");
   const int64_t T = x.dim() == 3 ? x.size(0) : 1, heads = x.size(-2), hd = x.size(-1);
   const int64_t st = x.dim() == 3 ? x.stride(0) : 0, sh = x.stride(-2);
   const at::Tensor cos = cos_any.contiguous(), sin = sin_any.contiguous();
-  TORCH_CHECK(cos.numel() == T * hd && sin.numel() == T * hd, "rope_bf16_: cos and sin must hold ", T, " rows of ",
+  KV_CHECK(cos.numel() == T * hd && sin.numel() == T * hd, "rope_bf16_: cos and sin must hold ", T, " rows of ",
               hd);
   uint16_t* X = bits_out(x);
   const uint16_t *C = bits(cos), *S = bits(sin);

@@ -42,6 +42,8 @@
 
 #include <immintrin.h>
 
+#include "check.h"
+
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -381,8 +383,8 @@ KV_AVX2 void store_group(const float* out, const T* add, T* y, int64_t live) {
 
 void check_isa(int64_t isa) {
   const int64_t best = best_isa();
-  TORCH_CHECK(best >= 0, "qgemm: this CPU lacks AVX2/F16C; use the torch reference (kvstore/engine/quant_reference.py)");
-  TORCH_CHECK(has_isa(isa), "qgemm: instruction path ", isa, " is not available on this CPU (best: ", quant_isa(),
+  KV_CHECK(best >= 0, "qgemm: this CPU lacks AVX2/F16C; use the torch reference (kvstore/engine/quant_reference.py)");
+  KV_CHECK(has_isa(isa), "qgemm: instruction path ", isa, " is not available on this CPU (best: ", quant_isa(),
               "; kvstore::quant_paths() lists the ones it has)");
 }
 
@@ -390,12 +392,12 @@ at::Tensor qgemm(const at::Tensor& w_any, int64_t kind, int64_t rows, int64_t co
                  const std::optional<at::Tensor>& add_any, int64_t isa) {
   if (isa == -1) isa = best_isa();
   check_isa(isa);
-  TORCH_CHECK(kind == Q4_0 || kind == Q4_1 || kind == Q8_0, "qgemm: unknown block kind ", kind);
-  TORCH_CHECK(rows > 0 && cols > 0 && cols % kBlock == 0, "qgemm: cols must be a positive multiple of ", kBlock);
+  KV_CHECK(kind == Q4_0 || kind == Q4_1 || kind == Q8_0, "qgemm: unknown block kind ", kind);
+  KV_CHECK(rows > 0 && cols > 0 && cols % kBlock == 0, "qgemm: cols must be a positive multiple of ", kBlock);
   const int64_t groups = (rows + kLanes - 1) / kLanes, nb = cols / kBlock, RB = record_bytes(kind);
-  TORCH_CHECK(w_any.device().is_cpu() && w_any.scalar_type() == at::kByte && w_any.numel() == groups * nb * RB,
+  KV_CHECK(w_any.device().is_cpu() && w_any.scalar_type() == at::kByte && w_any.numel() == groups * nb * RB,
               "qgemm: the packed weights must be a uint8 CPU tensor of ", groups * nb * RB, " bytes");
-  TORCH_CHECK(x_any.device().is_cpu() && x_any.dim() == 2 && x_any.size(1) == cols &&
+  KV_CHECK(x_any.device().is_cpu() && x_any.dim() == 2 && x_any.size(1) == cols &&
                   (x_any.scalar_type() == at::kBFloat16 || x_any.scalar_type() == at::kFloat),
               "qgemm: x must be a [T, ", cols, "] bfloat16 or float32 CPU tensor");
   const at::Tensor w = w_any.contiguous(), x = x_any.contiguous();
@@ -403,7 +405,7 @@ at::Tensor qgemm(const at::Tensor& w_any, int64_t kind, int64_t rows, int64_t co
   at::Tensor add;
   if (add_any.has_value()) {
     add = add_any->contiguous();
-    TORCH_CHECK(add.scalar_type() == x.scalar_type() && (add.numel() == rows || add.numel() == T * rows),
+    KV_CHECK(add.scalar_type() == x.scalar_type() && (add.numel() == rows || add.numel() == T * rows),
                 "qgemm: the addend must be [rows] or [T, rows] in x's dtype");
   }
   const bool add_per_row = add.defined() && add.numel() == T * rows && T > 1;
@@ -455,16 +457,16 @@ at::Tensor qgemm(const at::Tensor& w_any, int64_t kind, int64_t rows, int64_t co
 // rows `ids` of a packed matrix, dequantized (GGUF's values: float32 math, then the output dtype)
 at::Tensor qembed(const at::Tensor& w_any, int64_t kind, int64_t rows, int64_t cols, const at::Tensor& ids_any,
                   at::ScalarType dtype) {
-  TORCH_CHECK(kind == Q4_0 || kind == Q4_1 || kind == Q8_0, "qembed: unknown block kind ", kind);
-  TORCH_CHECK(rows > 0 && cols > 0 && cols % kBlock == 0, "qembed: cols must be a positive multiple of ", kBlock);
-  TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat, "qembed: the output is bfloat16 or float32");
+  KV_CHECK(kind == Q4_0 || kind == Q4_1 || kind == Q8_0, "qembed: unknown block kind ", kind);
+  KV_CHECK(rows > 0 && cols > 0 && cols % kBlock == 0, "qembed: cols must be a positive multiple of ", kBlock);
+  KV_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat, "qembed: the output is bfloat16 or float32");
   const int64_t groups = (rows + kLanes - 1) / kLanes, nb = cols / kBlock, RB = record_bytes(kind), QB = quant_bytes(kind);
-  TORCH_CHECK(w_any.device().is_cpu() && w_any.scalar_type() == at::kByte && w_any.numel() == groups * nb * RB,
+  KV_CHECK(w_any.device().is_cpu() && w_any.scalar_type() == at::kByte && w_any.numel() == groups * nb * RB,
               "qembed: the packed weights must be a uint8 CPU tensor of ", groups * nb * RB, " bytes");
   const at::Tensor w = w_any.contiguous(), ids = ids_any.to(at::kLong).contiguous();
   const int64_t n = ids.numel();
   const int64_t* I = ids.data_ptr<int64_t>();
-  for (int64_t i = 0; i < n; i++) TORCH_CHECK(I[i] >= 0 && I[i] < rows, "qembed: row ", I[i], " is not in [0, ", rows, ")");
+  for (int64_t i = 0; i < n; i++) KV_CHECK(I[i] >= 0 && I[i] < rows, "qembed: row ", I[i], " is not in [0, ", rows, ")");
   at::Tensor y = at::empty({n, cols}, w.options().dtype(dtype));
   const uint8_t* W = w.data_ptr<uint8_t>();
   for (int64_t i = 0; i < n; i++) {

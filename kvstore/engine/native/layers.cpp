@@ -24,6 +24,8 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
+#include "check.h"
+
 #include <cstdint>
 #include <cstring>
 #include <optional>
@@ -63,35 +65,35 @@ at::Tensor llama_layers(const at::Tensor& x_in, at::TensorList weights, at::IntA
                         const at::Tensor& tables, const at::Tensor& row_seq, const at::Tensor& row_len,
                         int64_t n_heads, double eps) {
   const int64_t n_layers = int64_t(pools.size());
-  TORCH_CHECK(n_layers > 0 && int64_t(weights.size()) == kWeights * n_layers &&
+  KV_CHECK(n_layers > 0 && int64_t(weights.size()) == kWeights * n_layers &&
                   int64_t(meta.size()) == kMeta * kWeights * n_layers && int64_t(norms.size()) == kNorms * n_layers,
               "llama_layers: per layer 4 weights (12 meta ints), 2 norms and 1 pool");
-  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16 && x_in.is_cpu(),
+  KV_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16 && x_in.is_cpu(),
               "llama_layers: x must be [R, hidden] bfloat16 on the CPU");
   const int64_t R = x_in.size(0);
   const at::Tensor slots = slots_any.contiguous();
-  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == R, "llama_layers: slots must be int64 [R]");
+  KV_CHECK(slots.scalar_type() == at::kLong && slots.numel() == R, "llama_layers: slots must be int64 [R]");
   const int64_t* slot = slots.data_ptr<int64_t>();
   const at::Tensor& first = pools[0];
-  TORCH_CHECK(first.dim() == 5 && first.scalar_type() == at::kBFloat16,
+  KV_CHECK(first.dim() == 5 && first.scalar_type() == at::kBFloat16,
               "llama_layers: a pool is [n_blocks, block_tokens, 2, n_kv, hd] bfloat16");
   const int64_t n_kv = first.size(3), hd = first.size(4), rows = first.size(0) * first.size(1);
   const int64_t q_end = n_heads * hd, k_end = (n_heads + n_kv) * hd, row_bytes = 2 * n_kv * hd * 2;
   for (int64_t r = 0; r < R; r++)
-    TORCH_CHECK(slot[r] >= 0 && slot[r] < rows, "llama_layers: slot ", slot[r], " is outside the pool's ", rows, " rows");
+    KV_CHECK(slot[r] >= 0 && slot[r] < rows, "llama_layers: slot ", slot[r], " is outside the pool's ", rows, " rows");
   const Ops& k = ops();
   at::Tensor x = x_in;
   for (int64_t i = 0; i < n_layers; i++) {
     const at::Tensor* w = &weights[kWeights * i];
     const int64_t* m = &meta[kMeta * kWeights * i];
     const at::Tensor& pool = pools[i];
-    TORCH_CHECK(pool.is_contiguous() && pool.sizes() == first.sizes() && pool.scalar_type() == at::kBFloat16,
+    KV_CHECK(pool.is_contiguous() && pool.sizes() == first.sizes() && pool.scalar_type() == at::kBFloat16,
                 "llama_layers: every layer's pool must be contiguous, shaped and typed as the first");
     const auto product = [&](int64_t j, const at::Tensor& in, const std::optional<at::Tensor>& add) {
       return k.qgemm.call(w[j], m[kMeta * j], m[kMeta * j + 1], m[kMeta * j + 2], in, add, -1);
     };
     at::Tensor qkv = product(0, k.rms_norm.call(x, norms[kNorms * i], eps), std::nullopt);
-    TORCH_CHECK(qkv.is_contiguous() && qkv.size(1) == k_end + n_kv * hd,
+    KV_CHECK(qkv.is_contiguous() && qkv.size(1) == k_end + n_kv * hd,
                 "llama_layers: wqkv must have (n_heads + 2 n_kv) hd rows");
     at::Tensor heads = qkv.narrow(1, 0, k_end).view({R, n_heads + n_kv, hd});
     k.rope.call(heads, cos, sin);

@@ -232,8 +232,8 @@ class PagedCache:
             rows = [b[:per_layer].view(self.dtype).view(end - start, *self.token_shape) for b in buffers]
             yield rows
             self._own(start, end)
-            for i, r in enumerate(rows):  # the buffers are host memory; the pool may be a GPU's
-                self.pool.flat(i).index_copy_(0, self.rows(start, end), r.to(self.device))
+            for i, r in enumerate(rows):
+                self.pool.flat(i).index_copy_(0, self.rows(start, end), r)
             self.length = end
         finally:
             POOL.give(*buffers)

@@ -127,25 +127,32 @@ def test_a_full_pool_asks_for_room_then_says_what_to_do(model):
         PagedCache(pool, capacity=5 * pool.block_tokens)
 
 
-@pytest.mark.parametrize("company", [1, 3, 7])
-def test_sequences_of_one_pool_fed_together_compute_as_each_alone(model, tiny, company):
-    """A server's step: the sequences' rows in one forward, their attention in one kernel call over
-    the shared pool (each row through its own block table); each gets the bits it gets alone."""
-    m = tiny("llama-gqa")
-    pool = pool_for(model, n_blocks=128)
-    lengths = [20, 3, 41, 9, 0, 64, 17, 30][:company + 1]
-    items, alone = [], []
+def fed_together_and_alone(model, pool: BlockPool, tiny_model, lengths: list[int]):
+    """Sequences of `lengths` tokens prefilled in chunks of 8, each into a paged cache of `pool` and a
+    contiguous one; then their next tokens (8 for odd j, else 1) fed together through the paged caches
+    (one `feed_rows`) and alone through the contiguous ones. (together `[n, hidden]`, alone
+    `[hidden]` each, the paged caches, the contiguous ones)."""
+    items, alone, flats = [], [], []
     for j, n in enumerate(lengths):
-        ids = m.ids(n + 8, seed=j)
+        ids = tiny_model.ids(n + 8, seed=j)
         paged, flat = PagedCache(pool), model.new_cache()
         for cache in (paged, flat):
             for a in range(0, n, 8):
                 model.feed(ids[a:min(a + 8, n)], a, cache)
         new = ids[n:n + (8 if j % 2 else 1)]
-        alone.append((model.feed(new, n, flat), flat))
+        alone.append(model.feed(new, n, flat))
         items.append((new, n, paged))
-    together = model.feed_rows(items)
-    for j, ((hidden, flat), (_, _, paged)) in enumerate(zip(alone, items)):
+        flats.append(flat)
+    return model.feed_rows(items), alone, [paged for _, _, paged in items], flats
+
+
+@pytest.mark.parametrize("company", [1, 3, 7])
+def test_sequences_of_one_pool_fed_together_compute_as_each_alone(model, tiny, company):
+    """A server's step: the sequences' rows in one forward, their attention in one kernel call over
+    the shared pool (each row through its own block table); each gets the bits it gets alone."""
+    together, alone, pageds, flats = fed_together_and_alone(model, pool_for(model, n_blocks=128), tiny("llama-gqa"),
+                                                            [20, 3, 41, 9, 0, 64, 17, 30][:company + 1])
+    for j, (hidden, paged, flat) in enumerate(zip(alone, pageds, flats)):
         assert torch.equal(together[j], hidden), j
         assert all(torch.equal(a, b) for a, b in zip(paged.state(), flat.state())), j
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import kvstore
+from test_paged import fed_together_and_alone
 from test_serve_batching import job, library_trace, together
 
 pytestmark = pytest.mark.cuda
@@ -43,18 +44,8 @@ def test_the_paged_memory_lives_on_the_gpu_and_changes_no_bit(cuda_model, tiny):
     pool = kvstore.BlockPool(c.n_layers, c.n_kv_heads, c.head_dim, dtype=cuda_model.dtype, n_blocks=64,
                              device="cuda")
     assert pool.layers[0].device.type == "cuda"
-    m = tiny("llama-gqa")
-    items, alone = [], []
-    for j, n in enumerate([20, 3, 41, 9]):
-        ids = m.ids(n + 8, seed=j)
-        paged, flat = kvstore.PagedCache(pool), cuda_model.new_cache()
-        for cache in (paged, flat):
-            for a in range(0, n, 8):
-                cuda_model.feed(ids[a:min(a + 8, n)], a, cache)
-        new = ids[n:n + (8 if j % 2 else 1)]
-        alone.append((cuda_model.head(cuda_model.feed(new, n, flat)), flat))
-        items.append((new, n, paged))
-    together_logits = cuda_model.head(cuda_model.feed_rows(items))
-    for j, ((logits, flat), (_, _, paged)) in enumerate(zip(alone, items)):
-        assert torch.equal(together_logits[j], logits), j
+    together, alone, pageds, flats = fed_together_and_alone(cuda_model, pool, tiny("llama-gqa"), [20, 3, 41, 9])
+    together_logits = cuda_model.head(together)
+    for j, (hidden, paged, flat) in enumerate(zip(alone, pageds, flats)):
+        assert torch.equal(together_logits[j], cuda_model.head(hidden)), j
         assert all(torch.equal(a, b) for a, b in zip(paged.state(), flat.state())), j

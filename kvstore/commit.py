@@ -18,6 +18,12 @@ that changed, the generation in progress and the sampler settings. Then, in one 
    one. A failed sync undoes the append and rolls back; a failed insert rolls back, and the bytes
    left past the committed end are dropped by the next open.
 
+`commit_later` runs the same `commit` on the committing thread (one per process, commits in the
+order handed over) and returns at once: a generation goes on decoding while its automatic
+checkpoint's files and index sync, instead of waiting for two durable flushes every interval. The
+change it is given must not move meanwhile: its KV rows are copied first. The checkpoint counts as
+done (acknowledged) only once the future has its head: the session keeps the old head until then.
+
 The statements are built once with bound parameters and run on a plain connection: this runs at
 every checkpoint of a decode, where the ORM's unit of work, or building statements anew, cost more
 than the SQL; the index rows take about as long as the sync they overlap.
@@ -25,6 +31,8 @@ than the SQL; the index rows take about as long as the sync they overlap.
 
 from __future__ import annotations
 
+import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -36,6 +44,9 @@ from .store import segments
 from .store.index import (CheckpointRow, ExtentRow, MessageRow, PrefixKeyRow, SegmentRow, SessionExtentRow, SessionRow,
                           TokenBlockRow, store_full_on_disk_full, utcnow)
 from .store.records import encode_tokens
+from .store.workers import serial
+
+COMMITTER = "kvstore-commit"  # the committing thread's name
 
 # The head moves with a compare-and-set on (id, head); `p_` names the WHERE parameters (a SET
 # column's own name is taken).
@@ -108,6 +119,30 @@ def commit(store, session_id: str, name: str, head: Head, change: Change) -> Hea
             appending.finish()  # durable before the commit (C4)
     return replace(head, seq=head.seq + 1, n_tokens=n_tokens, n_cached=change.n_cached, committed_end=end,
                    n_reusable=change.n_reusable, names_synced=head.names_synced or change.kv is not None)
+
+
+def commit_later(store, session_id: str, name: str, head: Head, change: Change) -> "Future[tuple[Head, float]]":
+    """`commit` on the committing thread: a future of (the new head, the seconds the commit took).
+    The change's KV rows are copied here first (the cache they are views of may be trimmed and
+    written again meanwhile); the rest of a Change is not changed by its maker. Once the interpreter
+    is shutting down the commit runs here, its outcome in the future all the same."""
+    if change.kv is not None:
+        change = replace(change, kv=[t.to("cpu", copy=True) for t in change.kv])
+
+    def timed() -> tuple[Head, float]:
+        started = time.perf_counter()
+        new = commit(store, session_id, name, head, change)
+        return new, time.perf_counter() - started
+
+    try:
+        return serial(COMMITTER).submit(timed)
+    except RuntimeError:  # no new threads' work at shutdown
+        done: Future = Future()
+        try:
+            done.set_result(timed())
+        except Exception as e:  # noqa: BLE001 -- the caller's, through the future
+            done.set_exception(e)
+        return done
 
 
 def _add_rows(run, session_id: str, head: Head, change: Change, written: segments.Written | None) -> None:

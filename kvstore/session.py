@@ -5,8 +5,9 @@ KVCache) and its sampler settings, and holds the session's writer lock (C7). `ch
 what changed since the last one to the checkpoint protocol (`commit.py`: C2, C4, C5), with the
 prefix keys of the chunk boundaries its cold-run KV reached since (C10, `store.prefix`). Prefill
 checkpoints after every chunk, generation every `checkpoint_every` tokens (once the last of them is
-fed, so a resume samples the next token from the stored state at once) and at the end of each call
-(its last token pending). A generation call in progress is recorded (`active_call`) before its
+fed, so a resume samples the next token from the stored state at once; committed while the next
+tokens decode, acknowledged once durable) and at the end of each call (its last token pending,
+durable when the call returns). A generation call in progress is recorded (`active_call`) before its
 prompt is read, so one killed anywhere is finished by `resume()` with its own settings.
 
 Opening (`Session.open`) verifies the model and every checksum and reloads the cache without
@@ -21,10 +22,11 @@ import dataclasses
 import sys
 import time
 import weakref
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from .commit import Change, Head, commit, hidden_bytes
+from .commit import Change, Head, commit, commit_later, hidden_bytes
 from .defaults import DEFAULT_MAX_NEW_TOKENS
 from .engine.chat import turn_ids
 from .engine.sampling import SamplerSettings
@@ -58,6 +60,7 @@ class Session:
         self._dirty = False  # settings or the call in progress changed since the last checkpoint
         self.on_checkpoint: Callable[[int, int, int], None] | None = None  # (head, n_tokens, n_cached)
         self.last_checkpoint_seconds = 0.0  # how long the last commit took (a service's metric)
+        self._in_flight: tuple[Future, list[int]] | None = None  # a commit not waited for; its messages
         # chat/respond/resume yield "" after each prefill chunk (a scheduler's turn to run another session)
         self.prefill_yields = False
         _OPEN.add(self)
@@ -125,28 +128,66 @@ class Session:
             raise KvstoreError(f"session {self.name!r} is closed; open it again with store.open()")
 
     # -- checkpoints -----------------------------------------------------------------------------
-    def checkpoint(self, reason: str = "manual") -> bool:
-        """Commit everything since the last checkpoint (`commit.py`); False when there was nothing new."""
+    def checkpoint(self, reason: str = "manual", *, wait: bool = True) -> bool:
+        """Commit everything since the last checkpoint (`commit.py`); False when there was nothing new.
+
+        With wait=False (generation's automatic checkpoints) the commit runs on the committing
+        thread while the caller goes on (`commit.commit_later`); it is acknowledged (`head`,
+        `on_checkpoint`) only once durable, when a later call finds it done (`settle`). Every
+        checkpoint first waits for the one before, so they commit in order, and its error, if it
+        failed, is raised here (what it would have committed is committed by the next one)."""
         self._check_open()
+        self.settle()
         if self.active_call and self.active_call.get("kind") == "chat":
             self._refresh_reply()
         head, n_cached, tokens = self.head, self.seq.cache.length, self.seq.tokens
         if (head.n_cached, head.n_tokens) == (n_cached, len(tokens)) and not self._dirty_messages and not self._dirty:
             return False
         assert n_cached < len(tokens) or not tokens or self.seq.hidden is not None, "C2: all fed, and the last one's state"
-        change = Change(reason, tokens, self.seq.cache.state(head.n_cached, n_cached) if n_cached > head.n_cached
+        dirty_messages = sorted(self._dirty_messages)
+        change = Change(reason, list(tokens), self.seq.cache.state(head.n_cached, n_cached) if n_cached > head.n_cached
                         else None, n_cached, hidden_bytes(self.seq.hidden) if n_cached == len(tokens) > 0 else None,
-                        self.active_call, self.settings.to_dict(), self._checkpoint_every,
-                        [self.messages[i] for i in sorted(self._dirty_messages)], self.seq.reusable,
+                        self.active_call and dict(self.active_call), self.settings.to_dict(), self._checkpoint_every,
+                        [self.messages[i] for i in dirty_messages], self.seq.reusable,
                         new_keys(self._prefix_root, tokens, self.chunk_size, head.n_reusable, self.seq.reusable))
-        started = time.perf_counter()
-        self.head = commit(self.store, self.id, self.name, head, change)
-        self.last_checkpoint_seconds = time.perf_counter() - started
         self._dirty_messages.clear()
         self._dirty = False
-        if self.on_checkpoint is not None:
-            self.on_checkpoint(self.head.seq, self.head.n_tokens, self.head.n_cached)
+        if not wait:
+            self._in_flight = (commit_later(self.store, self.id, self.name, head, change), dirty_messages)
+            return True
+        started = time.perf_counter()
+        try:
+            new_head = commit(self.store, self.id, self.name, head, change)
+        except BaseException:
+            self._undone(dirty_messages)
+            raise
+        self._acknowledge(new_head, time.perf_counter() - started)
         return True
+
+    def settle(self, *, block: bool = True) -> None:
+        """Acknowledge the checkpoint that is being committed behind the caller (`checkpoint(wait=False)`)
+        once it is durable: waits for it (block=False: only when it is done already); raises its
+        error when it failed."""
+        if self._in_flight is None or (not block and not self._in_flight[0].done()):
+            return
+        (future, dirty_messages), self._in_flight = self._in_flight, None
+        try:
+            new_head, seconds = future.result()
+        except BaseException:
+            self._undone(dirty_messages)
+            raise
+        self._acknowledge(new_head, seconds)
+
+    def _undone(self, dirty_messages: list[int]) -> None:
+        """A commit failed: what it carried is still to be committed."""
+        self._dirty_messages.update(dirty_messages)
+        self._dirty = True
+
+    def _acknowledge(self, head: Head, seconds: float) -> None:
+        self.head = head
+        self.last_checkpoint_seconds = seconds
+        if self.on_checkpoint is not None:
+            self.on_checkpoint(head.seq, head.n_tokens, head.n_cached)
 
     # -- feeding text and tokens -----------------------------------------------------------------
     def append_text(self, text: str, *, progress: Progress | None = None) -> int:
@@ -311,8 +352,9 @@ class Session:
 
         def fed() -> None:  # the tokens so far are in the cache: a resume from here samples at once
             nonlocal since
+            self.settle(block=False)  # acknowledged as soon as it is durable
             if since >= self._checkpoint_every:
-                self.checkpoint("auto")
+                self.checkpoint("auto", wait=False)  # committed while the next tokens decode
                 since = 0
 
         try:

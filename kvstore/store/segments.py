@@ -14,10 +14,9 @@ through `fileio.io`.
 from __future__ import annotations
 
 import mmap
-import os
 import re
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -28,6 +27,7 @@ import numpy as np
 from ..errors import CorruptData
 from ..fileio import close_all, io, reraise_full
 from . import codec
+from .workers import serial
 
 if TYPE_CHECKING:
     import torch
@@ -125,7 +125,7 @@ def _start_sync(directory: Path, fds: list[int], names: bool) -> Future:
     work is taken then); its outcome in the future all the same."""
     waiting = threading.Event()
     try:
-        syncing = _syncer().submit(_sync, directory, fds, names, waiting.set)
+        syncing = serial(SYNCER).submit(_sync, directory, fds, names, waiting.set)
     except RuntimeError:
         syncing = Future()
         try:
@@ -191,25 +191,8 @@ class Appending:
 
 
 # One thread per process makes the layer files durable while the caller goes on (the sync is a wait
-# on the disk: the GIL is released); a forked child starts its own.
-_SYNCER: list[ThreadPoolExecutor] = []
-_SYNCER_MADE = threading.Lock()
-
-
-def _syncer() -> ThreadPoolExecutor:
-    with _SYNCER_MADE:
-        if not _SYNCER:
-            _SYNCER.append(ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstore-sync"))
-        return _SYNCER[0]
-
-
-def _forget_syncer() -> None:  # in a forked child: the parent's thread (and the lock's holder) are not here
-    global _SYNCER_MADE
-    _SYNCER.clear()
-    _SYNCER_MADE = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_forget_syncer)
+# on the disk: the GIL is released).
+SYNCER = "kvstore-sync"
 
 
 def _undo(fds: list[int], opened: list[Path], made: list[Path], committed_end: int) -> None:

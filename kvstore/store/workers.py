@@ -1,5 +1,6 @@
 """The store's helper threads: `parallel_map(fn, items, threads)` over a pool that lives as long as
-the process.
+the process, and `serial(name)`: one thread of that name doing what it is handed in order (the
+layer files' syncs, the checkpoints a generation does not wait for).
 
 Restoring a session is a few milliseconds of preads and checksums (both release the GIL), split
 over its layers. A pool made per call spent a good part of that starting threads, and a task per
@@ -30,6 +31,7 @@ PREFIX = "kvstore-store"  # the helpers' thread names begin so
 
 _lock = threading.Lock()
 _pool: ThreadPoolExecutor | None = None
+_serial: dict[str, ThreadPoolExecutor] = {}
 
 
 def _helpers() -> ThreadPoolExecutor:
@@ -40,9 +42,20 @@ def _helpers() -> ThreadPoolExecutor:
         return _pool
 
 
-def _forget_pool() -> None:
+def serial(name: str) -> ThreadPoolExecutor:
+    """The process's one thread called `name` (made on first use): its tasks run one at a time, in
+    the order submitted. After a fork the child makes its own. Once the interpreter shuts down it
+    takes no new task (`submit` raises RuntimeError): callers then do the work themselves."""
+    with _lock:
+        if name not in _serial:
+            _serial[name] = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+        return _serial[name]
+
+
+def _forget_pool() -> None:  # in a forked child: the parent's threads (and the lock's holder) are not here
     global _pool, _lock
     _pool, _lock = None, threading.Lock()
+    _serial.clear()
 
 
 if hasattr(os, "register_at_fork"):

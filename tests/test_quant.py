@@ -22,7 +22,7 @@ from engine_models import Q
 from kvstore.engine import native, ops, quant, quant_reference
 
 KINDS = ["Q4_0", "Q4_1", "Q8_0"]
-ISAS = {"avx2": 0, "avx-vnni": 1, "avx512-vnni": 2}
+ISAS = {"avx2": 0, "avx-vnni": 1, "avx512-vnni": 2}  # and AMX-INT8: native.AMX_INT8
 needs_kernel = pytest.mark.skipif(native.quant() is None, reason=f"this process uses {native.quant_status()}")
 
 
@@ -32,7 +32,7 @@ def paths() -> list[int]:
     k = native.quant()
     if k is None:
         return []
-    assert max(k.paths) == ISAS[k.isa]
+    assert max(p for p in k.paths if p != native.AMX_INT8) == ISAS[k.isa]
     return list(k.paths)
 
 
@@ -91,7 +91,7 @@ def test_rows_move_as_whole_blocks():
 @needs_kernel
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
-@pytest.mark.parametrize("T", [1, 3, 4, 5, 17])
+@pytest.mark.parametrize("T", [1, 3, 4, 5, 17, 40])
 def test_the_kernel_equals_the_reference_bit_for_bit_on_every_path(kind, dtype, T):
     w = quant.pack(random_blocks(kind, 37, 576))
     x = rows_of(T, 576, dtype)
@@ -134,7 +134,7 @@ def test_a_path_this_cpu_lacks_is_refused_not_run():
     that kills the process (on Zen 4, AVX-VNNI lies below the best path and is missing)."""
     w = quant.pack(random_blocks("Q4_1", 16, 64))
     x = rows_of(1, 64, torch.bfloat16)
-    for isa in sorted(set(ISAS.values()) - set(paths())) + [3, -2]:
+    for isa in sorted({*ISAS.values(), native.AMX_INT8} - set(paths())) + [4, -2]:
         with pytest.raises(RuntimeError, match="not available on this CPU"):
             kernel(w, x, None, isa)
 

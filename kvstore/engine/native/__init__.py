@@ -60,13 +60,21 @@ class Kernels:
     isa: str  # the path they take: "avx512-bf16" or "avx2" (the same bits but for subnormals)
 
 
+AMX_INT8 = 3  # qgemm's `isa` of its AMX path
+
+
 @dataclass(frozen=True)
 class QuantKernels:
     qgemm: Callable  # (packed, kind, rows, cols, x [T, cols], add | None, isa) -> [T, rows]
     qembed: Callable  # (packed, kind, rows, cols, ids [n], dtype) -> [n, cols]
-    isa: str  # the instruction path qgemm takes by default: "avx512-vnni", "avx-vnni" or "avx2"
-    paths: tuple[int, ...]  # every path this CPU runs, qgemm's `isa`: 0 AVX2, 1 AVX-VNNI, 2 AVX512-VNNI
-    # (a path below the best one may be missing: AMD Zen 4 has AVX512-VNNI and no AVX-VNNI)
+    isa: str  # the instruction path qgemm takes for a few rows: "avx512-vnni", "avx-vnni" or "avx2"
+    paths: tuple[int, ...]  # every path this CPU runs, qgemm's `isa`: 0 AVX2, 1 AVX-VNNI, 2 AVX512-VNNI,
+    # 3 AMX-INT8, which it takes for many rows (a path below the best one may be missing: AMD Zen 4 has
+    # AVX512-VNNI and no AVX-VNNI)
+
+    @property
+    def amx(self) -> bool:
+        return AMX_INT8 in self.paths
 
 
 _choice: tuple[Kernels | None, str] | None = None  # (the kernels or None, why), once settled
@@ -169,8 +177,8 @@ def _load_quant() -> tuple[QuantKernels | None, str]:
     if not isa:
         return None, "torch's kernels (this CPU has no AVX2)"
     ops = torch.ops.kvstore
-    return (QuantKernels(ops.qgemm.default, ops.qembed.default, isa, tuple(ops.quant_paths())),
-            f"native {isa.upper()} block-quantized kernels")
+    kernels = QuantKernels(ops.qgemm.default, ops.qembed.default, isa, tuple(ops.quant_paths()))
+    return kernels, f"native {isa.upper()}{' and AMX-INT8' if kernels.amx else ''} block-quantized kernels"
 
 
 def _load_attention() -> tuple[Callable | None, str]:

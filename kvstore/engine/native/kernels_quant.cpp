@@ -28,11 +28,15 @@
 // (broadcast), and the 16 int32 lanes are the 16 rows: no horizontal sums anywhere.
 //
 // Paths: AVX512-VNNI (16 lanes), AVX-VNNI (two 8-lane halves), AVX2 (maddubs + madd; Q8_0 through
-// |q| and sign-adjusted activations so no pair saturates). kvstore::quant_isa() names the best one
-// this CPU has ("" when it lacks AVX2 and F16C: then qgemm refuses, and the caller uses the torch
-// reference). `isa` forces a path (tests): 0 AVX2, 1 AVX-VNNI, 2 AVX512-VNNI, -1 the best; a path
-// this CPU lacks is refused (kvstore::quant_paths() lists the ones it has: AVX512-VNNI does not
-// imply AVX-VNNI).
+// |q| and sign-adjusted activations so no pair saturates), and AMX-INT8 for products of many rows
+// (prefill chunks, large batches): one tdpbsud per block takes the integer sums of 16 activation rows
+// against a row group's 16 weight rows at once (the record's slices are AMX's B layout as they lie:
+// 4 bytes of each of the 16 rows per 64-byte row), and the float steps after it are the AVX512 path's,
+// so its bits are the others'. kvstore::quant_isa() names the best one for a single row ("" when the
+// CPU lacks AVX2 and F16C: then qgemm refuses, and the caller uses the torch reference). `isa` forces
+// a path (tests): 0 AVX2, 1 AVX-VNNI, 2 AVX512-VNNI, 3 AMX-INT8, -1 the best for the call (AMX from
+// kAmxRows rows where the CPU and the kernel allow it, else the best of the others); a path this CPU
+// lacks is refused (kvstore::quant_paths() lists the ones it has: AVX512-VNNI does not imply AVX-VNNI).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -44,8 +48,13 @@
 
 #include "check.h"
 
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <cmath>
+#include <cpuid.h>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <optional>
 #include <string>
@@ -59,7 +68,11 @@ constexpr int64_t kBlock = 32;  // elements per quant block
 constexpr int64_t kTile = 8;    // activation rows computed together (each weight record unpacked once)
 
 enum Kind : int64_t { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2 };
-enum Isa : int64_t { AVX2 = 0, AVX_VNNI = 1, AVX512_VNNI = 2 };
+enum Isa : int64_t { AVX2 = 0, AVX_VNNI = 1, AVX512_VNNI = 2, AMX_INT8 = 3 };
+constexpr int64_t kAmxTile = 16;  // activation rows per AMX tile (a tile register's rows)
+// Rows from which -1 takes the AMX path: below it a tile computes mostly padding. Prefill chunks and
+// batches of 16 sessions or more reach it; a decode step of a few sessions does not.
+constexpr int64_t kAmxRows = 16;
 
 constexpr int64_t quant_bytes(int64_t kind) { return kind == Q8_0 ? 512 : 256; }
 constexpr int64_t record_bytes(int64_t kind) { return quant_bytes(kind) + 32 + (kind == Q4_1 ? 32 : 0); }
@@ -87,6 +100,17 @@ inline void prefetch_ahead(const uint8_t* rec) {
 #define KV_AVX2 __attribute__((target("avx2,f16c,fma")))
 #define KV_AVX512_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,f16c,fma")))
 
+// Whether the CPU has AMX-TILE and AMX-INT8 (CPUID leaf 7: EDX bits 24, 25), and Linux lets this process
+// use the tile registers: their state is asked for once (arch_prctl ARCH_REQ_XCOMP_PERM for
+// XTILEDATA), as every AMX user must; refused (an older kernel, a container that forbids it), the
+// AMX path is not offered.
+bool amx_permitted() {
+  unsigned a, b, c, d;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << 25))) return false;
+  constexpr long kReqXcompPerm = 0x1023, kXtiledata = 18;
+  return syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) == 0;
+}
+
 // Whether this CPU runs path `isa`. Each path needs its own instructions: AVX-VNNI (VEX-encoded
 // vpdpbusd) is not implied by AVX512-VNNI (AMD Zen 4 has the second and not the first), so a path
 // below the best one may still be missing.
@@ -98,14 +122,17 @@ bool has_isa(int64_t isa) {
   static const bool avx_vnni = base && __builtin_cpu_supports("avxvnni");
   static const bool avx512_vnni = base && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                                   __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+  static const bool amx_int8 = avx512_vnni && amx_permitted();
   switch (isa) {
     case AVX2: return base;
     case AVX_VNNI: return avx_vnni;
     case AVX512_VNNI: return avx512_vnni;
+    case AMX_INT8: return amx_int8;
     default: return false;
   }
 }
 
+// the best path for a single row (AMX never: see kAmxRows)
 int64_t best_isa() {
   for (int64_t isa : {AVX512_VNNI, AVX_VNNI, AVX2})
     if (has_isa(isa)) return isa;
@@ -115,7 +142,7 @@ int64_t best_isa() {
 // the paths this CPU runs, in order (tests run each)
 std::vector<int64_t> quant_paths() {
   std::vector<int64_t> paths;
-  for (int64_t isa : {AVX2, AVX_VNNI, AVX512_VNNI})
+  for (int64_t isa : {AVX2, AVX_VNNI, AVX512_VNNI, AMX_INT8})
     if (has_isa(isa)) paths.push_back(isa);
   return paths;
 }
@@ -135,11 +162,21 @@ std::string quant_isa() {
 // 32 quants, then their dx, their sx (Q4_1) and their integer sums' starting offsets (-8 s for Q4_0,
 // whose values are q - 8; -128 s for Q8_0, stored XOR 0x80; 0 for Q4_1). Everything one block of a
 // tile needs is at a fixed offset from one pointer.
-constexpr int64_t kActQuants = kTile * kBlock;                   // bytes of quants per tile and block
-constexpr int64_t kActRecord = kActQuants + 3 * 4 * kTile;       // + dx, sx, offset (4 bytes each)
-constexpr int64_t kDx = kActQuants, kSx = kDx + 4 * kTile, kOff = kSx + 4 * kTile;
+// The AMX path takes tiles of kAmxTile rows, laid out the same way (ActLayout).
+struct ActLayout {
+  int64_t rows;  // per tile
+  constexpr int64_t quants() const { return rows * kBlock; }  // bytes of quants per tile and block
+  constexpr int64_t dx() const { return quants(); }
+  constexpr int64_t sx() const { return dx() + 4 * rows; }
+  constexpr int64_t off() const { return sx() + 4 * rows; }
+  constexpr int64_t record() const { return off() + 4 * rows; }  // + dx, sx, offset (4 bytes each)
+};
+constexpr ActLayout kVectorTiles{kTile}, kAmxTiles{kAmxTile};
+constexpr int64_t kActRecord = kVectorTiles.record(), kDx = kVectorTiles.dx(), kSx = kVectorTiles.sx(),
+                  kOff = kVectorTiles.off();
 
-typedef int32_t word32 __attribute__((may_alias, aligned(1)));  // 4 activation bytes, read where they lie
+typedef int32_t word32 __attribute__((may_alias, aligned(1)));
+ // 4 activation bytes, read where they lie
 typedef float float_a __attribute__((may_alias));
 
 KV_AVX2 inline __m256 load8(const float* x) { return _mm256_loadu_ps(x); }
@@ -148,13 +185,13 @@ KV_AVX2 inline __m256 load8(const c10::BFloat16* x) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
-// one row of `cols` values -> its quantized blocks, as row `t` of the tile at `tile` (the arithmetic
-// of the header, exactly)
+// one row of `cols` values -> its quantized blocks, as row `t` of the tile at `tile` laid out as L
+// says (the arithmetic of the header, exactly)
 template <typename T>
-KV_AVX2 void quantize_row(const T* x, int64_t cols, int64_t kind, uint8_t* tile, int64_t t) {
+KV_AVX2 void quantize_row(const T* x, int64_t cols, int64_t kind, uint8_t* tile, int64_t t, const ActLayout& L) {
   const __m256 sign = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   for (int64_t b = 0; b < cols / kBlock; b++) {
-    uint8_t* rec = tile + b * kActRecord;
+    uint8_t* rec = tile + b * L.record();
     __m256 v[4];
     __m256 amax = _mm256_setzero_ps();
     for (int j = 0; j < 4; j++) {
@@ -182,13 +219,25 @@ KV_AVX2 void quantize_row(const T* x, int64_t cols, int64_t kind, uint8_t* tile,
     for (int32_t v8 : parts) total += v8;
     const float dx = d, sx = d * float(total);
     const int32_t off = kind == Q8_0 ? -128 * total : kind == Q4_0 ? -8 * total : 0;
-    std::memcpy(rec + kDx + 4 * t, &dx, 4);
-    std::memcpy(rec + kSx + 4 * t, &sx, 4);
-    std::memcpy(rec + kOff + 4 * t, &off, 4);
+    std::memcpy(rec + L.dx() + 4 * t, &dx, 4);
+    std::memcpy(rec + L.sx() + 4 * t, &sx, 4);
+    std::memcpy(rec + L.off() + 4 * t, &off, 4);
   }
 }
 
 // ---- the 16-lane AVX512-VNNI path -------------------------------------------------------------------
+
+// acc + one block's term for one activation row (16 weight rows in the lanes): float(isum) (dw dx),
+// then for Q4_1 + mw sx, each rounded; dx and sx of the row read at `row` + the layout's offsets (row:
+// its tile's block record + 4 t). The AVX512 and AMX paths both take it, so their bits agree.
+template <int64_t kind>
+KV_AVX512_VNNI inline __m512 add_block_term(__m512 acc, __m512i isum, __m512 dw, __m512 mw, const uint8_t* row,
+                                            const ActLayout& L) {
+  const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(*reinterpret_cast<const float_a*>(row + L.dx())));
+  acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_cvtepi32_ps(isum), scale));
+  if constexpr (kind == Q4_1) acc = _mm512_add_ps(acc, _mm512_mul_ps(mw, _mm512_set1_ps(*reinterpret_cast<const float_a*>(row + L.sx()))));
+  return acc;
+}
 
 // acc += the 16 rows' products of 4 quants with the 4 activation bytes at x, broadcast from memory
 // (the intrinsic makes a separate broadcast instruction of it)
@@ -236,13 +285,7 @@ KV_AVX512_VNNI void tile_avx512(const uint8_t* rec, int64_t nb, const uint8_t* a
 #pragma GCC unroll 8
         for (int k = 0; k < 8; k++) isum = dot16(isum, w[k], x + 4 * k);
       }
-      const float dx = *reinterpret_cast<const float_a*>(act + kDx + 4 * t);
-      const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(dx));
-      acc[t] = _mm512_add_ps(acc[t], _mm512_mul_ps(_mm512_cvtepi32_ps(isum), scale));
-      if constexpr (kind == Q4_1) {
-        const float sx = *reinterpret_cast<const float_a*>(act + kSx + 4 * t);
-        acc[t] = _mm512_add_ps(acc[t], _mm512_mul_ps(mw, _mm512_set1_ps(sx)));
-      }
+      acc[t] = add_block_term<kind>(acc[t], isum, dw, mw, act + t * 4, kVectorTiles);
     }
   }
   for (int t = 0; t < N; t++) _mm512_storeu_ps(out + kLanes * t, acc[t]);
@@ -329,6 +372,99 @@ KV_AVX2 void tile_half(const uint8_t* rec, int64_t nb, const uint8_t* act, float
   for (int t = 0; t < N; t++) _mm256_storeu_ps(out + kLanes * t + 8 * half, acc[t]);
 }
 
+// ---- the AMX-INT8 path: 16 activation rows at once -------------------------------------------------
+
+#define KV_AMX __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512vnni,avx2,f16c,fma")))
+
+// ldtilecfg's 64 bytes: palette 1; per block in flight (two: one's integer sums are made while the
+// other's float steps run), an A tile (16 activation rows x a block's 32 quants, signed: tiles 0 and
+// 3), a B tile (the block's 8 slices: 16 weight rows x 4 quants each, unsigned: 1 and 4) and a C tile
+// (16 x 16 int32 sums: 2 and 5)
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tile state is per thread: each thread configures it before its first tile and releases it after its
+// last (a thread with tiles configured saves 8 KB more at every context switch).
+KV_AMX void amx_start() {
+  TileConfig c;
+  for (int i : {0, 3}) c.rows[i] = kAmxTile, c.colsb[i] = kBlock;
+  for (int i : {1, 4}) c.rows[i] = kBlock / 4, c.colsb[i] = 4 * kLanes;
+  for (int i : {2, 5}) c.rows[i] = kAmxTile, c.colsb[i] = 4 * kLanes;
+  // not _tile_loadconfig: GCC 12's tells the compiler it reads 8 bytes, and the stores above go
+  asm volatile("ldtilecfg %0" : : "m"(c));
+}
+
+KV_AMX void amx_end() { _tile_release(); }
+
+// A row group's quants as AMX's B tiles, 512 bytes per block, made once for all its activation tiles:
+// Q4's nibbles as bytes (the record's slice k: low nibbles -> slice k, high -> slice k + 4); Q8_0's
+// records hold them as they are (XOR 0x80: unsigned), read in place (returns the records then).
+template <int64_t kind>
+KV_AMX const uint8_t* b_tiles(const uint8_t* rec, int64_t nb, uint8_t* out) {
+  if constexpr (kind == Q8_0) return rec;
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  for (int64_t b = 0; b < nb; b++, rec += record_bytes(kind))
+    for (int k = 0; k < 4; k++) {
+      const __m512i v = _mm512_loadu_si512(rec + 64 * k);
+      _mm512_store_si512(out + 512 * b + 64 * k, _mm512_and_si512(v, low));
+      _mm512_store_si512(out + 512 * b + 64 * (k + 4), _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
+    }
+  return out;
+}
+
+// acc[t] += the block's terms for the 16 rows from its integer sums (add_block_term, as tile_avx512)
+template <int64_t kind>
+KV_AMX inline void amx_block_terms(const int32_t* sums, const uint8_t* rec, const uint8_t* act, __m512 acc[kAmxTile]) {
+  constexpr int64_t QB = quant_bytes(kind);
+  constexpr ActLayout L = kAmxTiles;
+  const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + QB)));
+  __m512 mw = _mm512_setzero_ps();
+  if constexpr (kind == Q4_1) mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + QB + 32)));
+#pragma GCC unroll 16
+  for (int t = 0; t < kAmxTile; t++) {
+    __m512i isum = _mm512_load_si512(sums + kLanes * t);
+    if constexpr (kind != Q4_1) isum = _mm512_add_epi32(isum, _mm512_set1_epi32(*reinterpret_cast<const word32*>(act + L.off() + 4 * t)));
+    acc[t] = add_block_term<kind>(acc[t], isum, dw, mw, act + 4 * t, L);
+  }
+}
+
+// One row group's 16 weight rows (records at rec, B tiles at B: b_tiles) against a tile of 16
+// activation rows (all 16 computed, the caller keeps the meaningful ones) into out [16][16]. Per block,
+// tdpbsud makes the 256 integer sums (exact, as vpdpbusd's are); the float steps are tile_avx512's,
+// so the bits are the same.
+template <int64_t kind>
+KV_AMX void tile_amx(const uint8_t* rec, const uint8_t* B, int64_t nb, const uint8_t* act, float* out) {
+  constexpr int64_t RB = record_bytes(kind), BB = kind == Q8_0 ? RB : 512;  // B: a block's tile every BB bytes
+  constexpr int64_t AR = kAmxTiles.record();
+  alignas(64) int32_t sums[2][kAmxTile * kLanes];
+  __m512 acc[kAmxTile];
+  for (int t = 0; t < kAmxTile; t++) acc[t] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; b += 2) {
+    _tile_loadd(0, act + b * AR, kBlock);
+    _tile_loadd(1, B + b * BB, 64);
+    _tile_zero(2);
+    _tile_dpbsud(2, 0, 1);
+    const bool second = b + 1 < nb;
+    if (second) {  // the next block's sums are made while this one's float steps run
+      _tile_loadd(3, act + (b + 1) * AR, kBlock);
+      _tile_loadd(4, B + (b + 1) * BB, 64);
+      _tile_zero(5);
+      _tile_dpbsud(5, 3, 4);
+    }
+    _tile_stored(2, sums[0], 4 * kLanes);
+    amx_block_terms<kind>(sums[0], rec + b * RB, act + b * AR, acc);
+    if (second) {
+      _tile_stored(5, sums[1], 4 * kLanes);
+      amx_block_terms<kind>(sums[1], rec + (b + 1) * RB, act + (b + 1) * AR, acc);
+    }
+  }
+  for (int t = 0; t < kAmxTile; t++) _mm512_storeu_ps(out + kLanes * t, acc[t]);
+}
+
 // ---- dispatch -----------------------------------------------------------------------------------------
 
 // `ahead`: prefetch the records ahead (see kAheadBytes)
@@ -390,7 +526,7 @@ void check_isa(int64_t isa) {
 
 at::Tensor qgemm(const at::Tensor& w_any, int64_t kind, int64_t rows, int64_t cols, const at::Tensor& x_any,
                  const std::optional<at::Tensor>& add_any, int64_t isa) {
-  if (isa == -1) isa = best_isa();
+  if (isa == -1) isa = has_isa(AMX_INT8) && x_any.dim() == 2 && x_any.size(0) >= kAmxRows ? AMX_INT8 : best_isa();
   check_isa(isa);
   KV_CHECK(kind == Q4_0 || kind == Q4_1 || kind == Q8_0, "qgemm: unknown block kind ", kind);
   KV_CHECK(rows > 0 && cols > 0 && cols % kBlock == 0, "qgemm: cols must be a positive multiple of ", kBlock);
@@ -412,33 +548,57 @@ at::Tensor qgemm(const at::Tensor& w_any, int64_t kind, int64_t rows, int64_t co
   at::Tensor y = at::empty({T, rows}, x.options());
   if (T == 0) return y;
 
-  // 1. quantize every activation row once, into tiles of kTile rows
-  const int64_t tiles = (T + kTile - 1) / kTile, tile_bytes = nb * kActRecord;
+  // 1. quantize every activation row once, into tiles of L.rows rows (a last tile's missing rows are
+  //    zeros: the AMX path computes them, and drops them)
+  const bool amx = isa == AMX_INT8;
+  const ActLayout L = amx ? kAmxTiles : kVectorTiles;
+  const int64_t tiles = (T + L.rows - 1) / L.rows, tile_bytes = nb * L.record();
   at::Tensor act = at::empty({tiles * tile_bytes}, x.options().dtype(at::kByte));
   uint8_t* A = act.data_ptr<uint8_t>();
+  if (T % L.rows) std::memset(A + (tiles - 1) * tile_bytes, 0, tile_bytes);
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; t++) {
-      uint8_t* tile = A + (t / kTile) * tile_bytes;
-      if (bf16) quantize_row(x.data_ptr<c10::BFloat16>() + t * cols, cols, kind, tile, t % kTile);
-      else quantize_row(x.data_ptr<float>() + t * cols, cols, kind, tile, t % kTile);
+      uint8_t* tile = A + (t / L.rows) * tile_bytes;
+      if (bf16) quantize_row(x.data_ptr<c10::BFloat16>() + t * cols, cols, kind, tile, t % L.rows, L);
+      else quantize_row(x.data_ptr<float>() + t * cols, cols, kind, tile, t % L.rows, L);
     }
   });
 
   // 2. each row group (16 weight rows) against every tile of activation rows
   const uint8_t* W = w.data_ptr<uint8_t>();
+  // per thread, a row group's B tiles (AMX with Q4 weights), 64-byte aligned for the stores that make them
+  const int64_t b_bytes = amx && kind != Q8_0 ? nb * 512 : 0;
+  at::Tensor b_memory = at::empty({at::get_num_threads() * b_bytes + 64}, x.options().dtype(at::kByte));
+  uint8_t* b_all = b_memory.data_ptr<uint8_t>() + (64 - reinterpret_cast<uintptr_t>(b_memory.data_ptr()) % 64) % 64;
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
-    float out[kTile * kLanes];
+    float out[kAmxTile * kLanes];
+    uint8_t* b_mine = b_all + at::get_thread_num() * b_bytes;
+    if (amx) amx_start();
     for (int64_t g = begin; g < end; g++) {
       const uint8_t* rec = W + g * nb * RB;
       const int64_t r0 = g * kLanes, live = std::min(kLanes, rows - r0);
-      for (int64_t t0 = 0; t0 < T; t0 += kTile) {
-        const int n = int(std::min(kTile, T - t0));
-        const uint8_t* tile = A + (t0 / kTile) * tile_bytes;
+      const uint8_t* B = nullptr;
+      if (amx) {
+        if (kind == Q4_0) B = b_tiles<Q4_0>(rec, nb, b_mine);
+        else if (kind == Q4_1) B = b_tiles<Q4_1>(rec, nb, b_mine);
+        else B = b_tiles<Q8_0>(rec, nb, nullptr);
+      }
+      for (int64_t t0 = 0; t0 < T; t0 += L.rows) {
+        const int n = int(std::min(L.rows, T - t0));
+        const uint8_t* tile = A + (t0 / L.rows) * tile_bytes;
         const bool ahead = t0 == 0 && n == kTile;
-        if (kind == Q4_0) tile_rows<Q4_0>(isa, n, rec, nb, tile, out, ahead);
-        else if (kind == Q4_1) tile_rows<Q4_1>(isa, n, rec, nb, tile, out, ahead);
-        else tile_rows<Q8_0>(isa, n, rec, nb, tile, out, ahead);
+        if (amx) {
+          if (kind == Q4_0) tile_amx<Q4_0>(rec, B, nb, tile, out);
+          else if (kind == Q4_1) tile_amx<Q4_1>(rec, B, nb, tile, out);
+          else tile_amx<Q8_0>(rec, B, nb, tile, out);
+        } else if (kind == Q4_0) {
+          tile_rows<Q4_0>(isa, n, rec, nb, tile, out, ahead);
+        } else if (kind == Q4_1) {
+          tile_rows<Q4_1>(isa, n, rec, nb, tile, out, ahead);
+        } else {
+          tile_rows<Q8_0>(isa, n, rec, nb, tile, out, ahead);
+        }
         for (int i = 0; i < n; i++) {
           const int64_t t = t0 + i, at = (add_per_row ? t * rows : 0) + r0;
           if (bf16)
@@ -450,6 +610,7 @@ at::Tensor qgemm(const at::Tensor& w_any, int64_t kind, int64_t rows, int64_t co
         }
       }
     }
+    if (amx) amx_end();
   });
   return y;
 }

@@ -70,6 +70,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from . import llama_build
+from .llama_server import has_amx
+
+# On CPUs with AMX llama.cpp's repacked matmul path crashed (llama_peer.py); llama-server there
+# (--parallel 8, default repacking) exited with SIGSEGV before it was ready (Intel Xeon, 2026-12-04)
+REPACK_OFF = ("off (`--no-repack`): on this CPU with AMX, llama-server with its default repacking exited "
+              "with SIGSEGV before it was ready")
 from .serve import HERE, Server, Spec, kvstore_spec, log, percentile, stats, usage_fields
 
 FULL = {"contexts": [512, 2048], "sessions": [1, 2, 4, 8, 16], "new_tokens": 128, "reps": 2,
@@ -316,7 +322,8 @@ def llama_server_spec(binary: Path, gguf: Path, threads: int, parallel: int, slo
     """`llama-server` with `parallel` slots of `slot_tokens` positions each, continuous batching (its default)."""
     def argv(port: int) -> list[str]:
         return [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-t", str(threads),
-                "-tb", str(threads), "-c", str(parallel * slot_tokens), "--parallel", str(parallel)]
+                "-tb", str(threads), "-c", str(parallel * slot_tokens), "--parallel", str(parallel),
+                *(("--no-repack",) if has_amx() else ())]
 
     return Spec(f"llama.cpp --parallel {parallel}", argv, "/health", sessions=False,
                 notes={"parallel": parallel, "ctx": parallel * slot_tokens})
@@ -536,7 +543,8 @@ def run(cfg: dict, threads: int, model: str, workdir: Path, peer: bool = True, l
     if binary is None:
         out["not_measured"]["llama.cpp"] = why
     else:
-        out["llama_server"] = {"version": llama_build.version(binary), "sdist": llama_build.SDIST_VERSION}
+        out["llama_server"] = {"version": llama_build.version(binary), "sdist": llama_build.SDIST_VERSION,
+                               "repack": REPACK_OFF if has_amx() else "on (its default)"}
     prefix = "--prefix-cache" in help_text
     if not prefix:
         out["not_measured"]["prefix cache"] = "not available in this build (`kvstore serve` has no --prefix-cache)"
@@ -662,7 +670,8 @@ def markdown(r: dict) -> str:
                      f"{f['weight_bytes'] / 1e6:.1f} MB, KV {f['kv_bytes_per_token']:,} bytes per token.")
     if r.get("llama_server"):
         lines.append(f"llama.cpp: `llama-server` from the llama-cpp-python {r['llama_server']['sdist']} sources "
-                     f"({r['llama_server']['version']}).")
+                     f"({r['llama_server']['version']})"
+                     + (f"; CPU weight repacking {r['llama_server']['repack']}." if "repack" in r["llama_server"] else "."))
     lines.append("")
     for what, why in r.get("not_measured", {}).items():
         lines.append(f"- Not measured: {what}: {why}")

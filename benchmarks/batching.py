@@ -71,12 +71,12 @@ from pathlib import Path
 
 from . import llama_build
 from .llama_server import has_amx
+from .serve import HERE, Server, Spec, kvstore_spec, log, percentile, stats, usage_fields
 
 # On CPUs with AMX llama.cpp's repacked matmul path crashed (llama_peer.py); llama-server there
 # (--parallel 8, default repacking) exited with SIGSEGV before it was ready (Intel Xeon, 2026-12-04)
 REPACK_OFF = ("off (`--no-repack`): on this CPU with AMX, llama-server with its default repacking exited "
               "with SIGSEGV before it was ready")
-from .serve import HERE, Server, Spec, kvstore_spec, log, percentile, stats, usage_fields
 
 FULL = {"contexts": [512, 2048], "sessions": [1, 2, 4, 8, 16], "new_tokens": 128, "reps": 2,
         "itl_sessions": 4, "itl_context": 512, "itl_new_tokens": 64, "reader_tokens": 7800,

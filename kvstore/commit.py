@@ -121,28 +121,27 @@ def commit(store, session_id: str, name: str, head: Head, change: Change) -> Hea
                    n_reusable=change.n_reusable, names_synced=head.names_synced or change.kv is not None)
 
 
+def commit_now(store, session_id: str, name: str, head: Head, change: Change) -> "Future[tuple[Head, float]]":
+    """`commit` here: a done future of (the new head, the seconds the commit took), or of its error."""
+    done: Future = Future()
+    started = time.perf_counter()
+    try:
+        done.set_result((commit(store, session_id, name, head, change), time.perf_counter() - started))
+    except BaseException as e:  # noqa: BLE001 -- the caller's, through the future
+        done.set_exception(e)
+    return done
+
+
 def commit_later(store, session_id: str, name: str, head: Head, change: Change) -> "Future[tuple[Head, float]]":
-    """`commit` on the committing thread: a future of (the new head, the seconds the commit took).
-    The change's KV rows are copied here first (the cache they are views of may be trimmed and
-    written again meanwhile); the rest of a Change is not changed by its maker. Once the interpreter
-    is shutting down the commit runs here, its outcome in the future all the same."""
+    """`commit_now` on the committing thread: its future at once. The change's KV rows are copied
+    here first (the cache they are views of may be trimmed and written again meanwhile); the rest of
+    a Change is not changed by its maker. Once the interpreter is shutting down the commit runs here."""
     if change.kv is not None:
         change = replace(change, kv=[t.to("cpu", copy=True) for t in change.kv])
-
-    def timed() -> tuple[Head, float]:
-        started = time.perf_counter()
-        new = commit(store, session_id, name, head, change)
-        return new, time.perf_counter() - started
-
     try:
-        return serial(COMMITTER).submit(timed)
+        return serial(COMMITTER).submit(lambda: commit_now(store, session_id, name, head, change).result())
     except RuntimeError:  # no new threads' work at shutdown
-        done: Future = Future()
-        try:
-            done.set_result(timed())
-        except Exception as e:  # noqa: BLE001 -- the caller's, through the future
-            done.set_exception(e)
-        return done
+        return commit_now(store, session_id, name, head, change)
 
 
 def _add_rows(run, session_id: str, head: Head, change: Change, written: segments.Written | None) -> None:

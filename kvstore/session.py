@@ -20,13 +20,12 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import sys
-import time
 import weakref
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from .commit import Change, Head, commit, commit_later, hidden_bytes
+from .commit import Change, Head, commit_later, commit_now, hidden_bytes
 from .defaults import DEFAULT_MAX_NEW_TOKENS
 from .engine.chat import turn_ids
 from .engine.sampling import SamplerSettings
@@ -152,16 +151,10 @@ class Session:
                         new_keys(self._prefix_root, tokens, self.chunk_size, head.n_reusable, self.seq.reusable))
         self._dirty_messages.clear()
         self._dirty = False
-        if not wait:
-            self._in_flight = (commit_later(self.store, self.id, self.name, head, change), dirty_messages)
-            return True
-        started = time.perf_counter()
-        try:
-            new_head = commit(self.store, self.id, self.name, head, change)
-        except BaseException:
-            self._undone(dirty_messages)
-            raise
-        self._acknowledge(new_head, time.perf_counter() - started)
+        committing = commit_now if wait else commit_later
+        self._in_flight = (committing(self.store, self.id, self.name, head, change), dirty_messages)
+        if wait:
+            self.settle()
         return True
 
     def settle(self, *, block: bool = True) -> None:

@@ -175,8 +175,7 @@ constexpr ActLayout kVectorTiles{kTile}, kAmxTiles{kAmxTile};
 constexpr int64_t kActRecord = kVectorTiles.record(), kDx = kVectorTiles.dx(), kSx = kVectorTiles.sx(),
                   kOff = kVectorTiles.off();
 
-typedef int32_t word32 __attribute__((may_alias, aligned(1)));
- // 4 activation bytes, read where they lie
+typedef int32_t word32 __attribute__((may_alias, aligned(1)));  // 4 activation bytes, read where they lie
 typedef float float_a __attribute__((may_alias));
 
 KV_AVX2 inline __m256 load8(const float* x) { return _mm256_loadu_ps(x); }
@@ -568,12 +567,17 @@ at::Tensor qgemm(const at::Tensor& w_any, int64_t kind, int64_t rows, int64_t co
   // 2. each row group (16 weight rows) against every tile of activation rows
   const uint8_t* W = w.data_ptr<uint8_t>();
   // per thread, a row group's B tiles (AMX with Q4 weights), 64-byte aligned for the stores that make them
+  // (none on the other paths: a decode step's products allocate nothing more)
   const int64_t b_bytes = amx && kind != Q8_0 ? nb * 512 : 0;
-  at::Tensor b_memory = at::empty({at::get_num_threads() * b_bytes + 64}, x.options().dtype(at::kByte));
-  uint8_t* b_all = b_memory.data_ptr<uint8_t>() + (64 - reinterpret_cast<uintptr_t>(b_memory.data_ptr()) % 64) % 64;
+  at::Tensor b_memory;
+  uint8_t* b_all = nullptr;
+  if (b_bytes) {
+    b_memory = at::empty({at::get_num_threads() * b_bytes + 64}, x.options().dtype(at::kByte));
+    b_all = b_memory.data_ptr<uint8_t>() + (64 - reinterpret_cast<uintptr_t>(b_memory.data_ptr()) % 64) % 64;
+  }
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
     float out[kAmxTile * kLanes];
-    uint8_t* b_mine = b_all + at::get_thread_num() * b_bytes;
+    uint8_t* b_mine = b_bytes ? b_all + at::get_thread_num() * b_bytes : nullptr;
     if (amx) amx_start();
     for (int64_t g = begin; g < end; g++) {
       const uint8_t* rec = W + g * nb * RB;

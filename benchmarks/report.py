@@ -831,7 +831,9 @@ def readme_section(r: dict, services: list[dict] = ()) -> str:
         "Run it yourself with `python -m benchmarks run` (full, writes the report) or "
         "`python -m benchmarks run --quick` (a few minutes, into `benchmarks/out/`); the perplexities alone: "
         "`python -m benchmarks.quality`; the service alone: "
-        "`python -m benchmarks.serve` (`--publish` writes its per-CPU file and rebuilds the report). The report "
+        "`python -m benchmarks.serve` (`--publish` writes its per-CPU file and rebuilds the report); where a decode "
+        "step's time goes (the layers' products, the head, the attention, each timed warm and from memory beside "
+        "the step): `python -m benchmarks.decode_parts`. The report "
         "compares every machine kind measured so far ([Machine kinds](benchmarks/REPORT.md#machine-kinds)).", ""])
 
 

@@ -662,3 +662,30 @@ def test_the_cuda_steps_benchmark_runs_small_on_the_cpu(capsys):
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == out
     assert set(out["tok_s"]) == {"1", "2"} and all(r > 0 for r in out["tok_s"].values())
     assert out["vs_first"]["1"] == 1.0 and all(len(r) == 2 for r in out["tok_s_runs"].values())
+
+
+def test_the_decode_parts_benchmark_splits_a_step_of_the_real_model(tmp_path, smollm2_path, capsys):
+    """benchmarks/decode_parts.py times a decode step's parts (the layers' products, the head, the
+    attention over every layer's cache) warm and cold, each with the bytes it reads, beside the step."""
+    from benchmarks import decode_parts
+    from kvstore.engine import native
+
+    if native.layers() is None:
+        pytest.skip("no native layer stack on this CPU")
+    import kvstore
+
+    assert decode_parts.main(["--model", str(smollm2_path), "--contexts", "48,80", "--reps", "2", "--new", "4",
+                              "--out", str(tmp_path)]) == 0
+    r = json.loads((tmp_path / "decode_parts.json").read_text())
+    net = kvstore.load_model(smollm2_path, dtype="bfloat16").net
+    cfg = net.cfg
+    weights = sum(w.data.numel() for L in net.layers for w in (L.wqkv, L.wo, L.w_gate_up, L.w_down))
+    assert r["products"]["bytes"] == weights and r["head"]["bytes"] == net.lm_head.data.numel()
+    for n in (48, 80):  # K and V of every layer, bfloat16
+        assert r["at"][str(n)]["attention"]["bytes"] == 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 2 * n
+    times = [r["products"]["s"], r["head"]["s"]] + [r["at"][n]["attention"]["s"] for n in ("48", "80")]
+    assert all(t["warm"] > 0 and t["cold"] > 0 for t in times)
+    assert all(r["at"][n]["step_s"] > 0 for n in ("48", "80"))
+    assert r["read_bytes_per_s"]["all_threads"] > 0 and r["read_bytes_per_s"]["one_thread"] > 0
+    printed = capsys.readouterr().out
+    assert "| 80 | **a decode step** |" in printed and "| 48 | attention |" in printed

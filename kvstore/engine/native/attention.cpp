@@ -152,11 +152,14 @@ void run_partition(const Problem& pb, int64_t seq, int64_t max_len, int64_t layo
     }
     const uint16_t* rows = pb.token(seq, g);
     read_in_order(rows, std::min(kGroup, max_len - g) * stride);
-    if (g + kGroup < end) prefetch_rows(pb.token(seq, g + kGroup), std::min(kGroup, max_len - g - kGroup) * stride);
+    const int64_t next = g + kGroup < end ? std::min(kGroup, max_len - g - kGroup) : 0;  // the next group's keys
+    prefetch_ahead(w, next ? pb.token(seq, g + kGroup) : rows, next * stride * 2, pb.n_kv);
     const int64_t keys = std::min(kGroup, max_len - g);
     uint32_t* vt = values_from_rows(hd, per_kv) ? nullptr : w.vt;
-    for (int64_t kv = 0; kv < pb.n_kv; kv++) {
+    for (int64_t kv = 0; kv < pb.n_kv; kv++) {  // the prefetch slots: here, between the two calls, two in the step
+      prefetch_some(w);
       st.layout_group(pb, rows + kv * hd, keys, w.kt, vt);
+      prefetch_some(w);
       st.group_step(pb, w.kt, vt, rows + (pb.n_kv + kv) * hd, keys, valid, kv * per_kv, per_kv, w);
     }
   }

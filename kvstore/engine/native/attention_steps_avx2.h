@@ -150,6 +150,7 @@ KV_AVX2 KV_NOINLINE void group_step(const Problem& pb, const uint32_t* kt, const
       default: scores_fma<4>(qf, hd, kt, pb.scale, s); break;
     }
   }
+  prefetch_some(w);
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   const __m256 neg_inf = _mm256_set1_ps(kNegInf);
   for (int64_t i = 0; i < nq; i++) {
@@ -173,6 +174,7 @@ KV_AVX2 KV_NOINLINE void group_step(const Problem& pb, const uint32_t* kt, const
     m_all[i] = m;
     corr_all[i] = c;
   }
+  prefetch_some(w);
   for (int64_t i = 0; i < nq; i += kSub) {
     const int64_t n = std::min<int64_t>(kSub, nq - i);
     const float *p = p_all + i * kGroup, *corr = corr_all + i;

@@ -13,15 +13,15 @@ native layer stack), on the same torch threads:
   `head`: the output product; each as time per step and bytes read per second;
 - `attention`: `attention_rows` for one query row over every layer's cache of n tokens (a real
   Sequence's, filled by a prefill), time per step and the cache's bytes per second;
+- `step`: a whole decode step (the median gap between tokens of the engine benchmark's decode).
 
-each part timed warm (called again and again: what it reads partly still in the caches) and cold
+Each part is timed warm (called again and again: what it reads partly still in the caches) and cold
 (before each call the read above, of a buffer at least four times the last-level cache, pushes its
 bytes out of them). A step meets its parts between the two: its 100+ MB stream through the caches,
 some of it still there from the step before. What a step spends beyond its parts (norms, rotary,
 SwiGLU, the cache copy, allocation, dispatch, starting and ending the parallel regions, Python,
 sampling) is not split out: the step's time less the parts' depends on which of the two the parts are
 taken at.
-- `step`: a whole decode step (median of a Sequence's `generate` gaps).
 
 Figures depend on the machine (the report names the CPU); nothing here is a target.
 """
@@ -111,14 +111,13 @@ def attention_part(model, context: int, reps: int, evict) -> dict:
 
 
 def step_s(model, context: int, new: int) -> float:
-    """The median gap between a Sequence's generated tokens after `context` prompt tokens."""
-    import kvstore
+    """The median gap between generated tokens after `context` prompt tokens (the engine benchmark's
+    decode of kvstore: greedy, in its default chunks)."""
+    from kvstore.engine.sequence import DEFAULT_CHUNK
 
-    seq = kvstore.Sequence(model, tokens=synthetic_prompt(context, model.config.vocab_size))
-    stamps = []
-    for _ in seq.generate(kvstore.SamplerSettings(), seed=0, max_new_tokens=new):
-        stamps.append(time.perf_counter())
-    seq.close()
+    from .engine import Ours
+
+    stamps, _ = Ours(model, DEFAULT_CHUNK, 0.0).decode(synthetic_prompt(context, model.config.vocab_size), new)
     return statistics.median(b - a for a, b in zip(stamps, stamps[1:]))
 
 

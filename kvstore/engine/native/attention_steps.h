@@ -92,11 +92,12 @@ inline void read_in_order(const uint16_t* rows, int64_t elements) {
 // The next group's rows (of the same partition) are prefetched while this one computes, a few lines
 // at a time at kPrefetchSlots points of each KV head's step (before and after its K is laid out,
 // after its scores, after its softmax), not all at once: a core keeps only so many misses in flight
-// (16 here), and a run of 192 prefetches stalls the step behind them until most have arrived, so the
-// memory would idle while the step computes and the step wait while the memory works. Spread, the two
-// overlap: a decode layer call over a cold cache (one row, 2 threads, Intel Xeon with AMX) 0.82x the
-// time at 1k positions and 0.81x at 4k against the whole group prefetched at once (which had been
-// 0.89-0.96x no prefetch on AMD EPYC Zen 4); two groups ahead was slower. No result depends on it.
+// (its fill buffers, 16 on these Intel cores), and a run of 192 prefetches stalls the step behind them
+// until most have arrived, so the memory would idle while the step computes and the step wait while
+// the memory works. Spread, the two overlap: a decode layer call over a cold cache (one row, 2
+// threads, Intel Xeon with AMX) 0.91x the time at 1k positions and 0.83-0.86x at 4k against the whole
+// group prefetched at once (which had been 0.89-0.96x no prefetch on AMD EPYC Zen 4); two or three
+// groups ahead was slower, prefetching into L2 no faster. No result depends on it.
 constexpr int64_t kPrefetchSlots = 4;
 
 // Sets w to prefetch the rows from..from+bytes over the n_kv KV heads' steps of one group (bytes 0:

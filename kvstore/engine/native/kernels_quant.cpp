@@ -90,6 +90,7 @@ constexpr int64_t record_bytes(int64_t kind) { return quant_bytes(kind) + 32 + (
 // on Intel CPUs (`prefetch_few_rows`) with any number of rows, and the 8-lane paths, which read each
 // record twice, a half at a time, never do. No result depends on it.
 constexpr int64_t kAheadBytes = 4096;
+constexpr int64_t ahead_records(int64_t kind) { return (kAheadBytes + record_bytes(kind) - 1) / record_bytes(kind); }
 
 // whether tiles of fewer than kTile rows prefetch the records ahead (see above): on Intel CPUs
 bool prefetch_few_rows() {
@@ -99,7 +100,6 @@ bool prefetch_few_rows() {
   }();
   return intel;
 }
-constexpr int64_t ahead_records(int64_t kind) { return (kAheadBytes + record_bytes(kind) - 1) / record_bytes(kind); }
 
 // every cache line of the record `ahead_records` after rec (prefetches never fault: past the end of
 // the weights they are dropped)

@@ -91,7 +91,7 @@ def test_rows_move_as_whole_blocks():
 @needs_kernel
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
-@pytest.mark.parametrize("T", [1, 3, 4, 5, 17, 40])
+@pytest.mark.parametrize("T", [1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 40])
 def test_the_kernel_equals_the_reference_bit_for_bit_on_every_path(kind, dtype, T):
     w = quant.pack(random_blocks(kind, 37, 576))
     x = rows_of(T, 576, dtype)

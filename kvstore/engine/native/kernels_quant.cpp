@@ -70,9 +70,10 @@ constexpr int64_t kTile = 8;    // activation rows computed together (each weigh
 enum Kind : int64_t { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2 };
 enum Isa : int64_t { AVX2 = 0, AVX_VNNI = 1, AVX512_VNNI = 2, AMX_INT8 = 3 };
 constexpr int64_t kAmxTile = 16;  // activation rows per AMX tile (a tile register's rows)
-// Rows from which -1 takes the AMX path: below it a tile computes mostly padding. Prefill chunks and
-// batches of 16 sessions or more reach it; a decode step of a few sessions does not.
-constexpr int64_t kAmxRows = 16;
+// Rows from which -1 takes the AMX path: below it the AVX512 path is as fast or faster. A decode step's
+// 120 layer products (Intel Xeon with AMX, 2 threads), AMX's time over AVX512-VNNI's: 16 rows 1.02-1.15x,
+// 32 1.06x, 48 0.98x, 64 0.94x, 128 0.87x, 512 0.80x. Prefill chunks reach it; batches of sessions rarely.
+constexpr int64_t kAmxRows = 48;
 
 constexpr int64_t quant_bytes(int64_t kind) { return kind == Q8_0 ? 512 : 256; }
 constexpr int64_t record_bytes(int64_t kind) { return quant_bytes(kind) + 32 + (kind == Q4_1 ? 32 : 0); }
@@ -258,11 +259,40 @@ KV_AVX512_VNNI inline __m512i dot16(__m512i acc, __m512i w, const uint8_t* x) {
   return acc;
 }
 
+// Row t's term of one block (its 16 weight rows in the lanes, their 8 words of quants in w): the
+// integer sum from the block's offset, then add_block_term. Alone (N < 4), a row takes two chains of
+// dependent products; else the other rows' chains overlap its own.
+template <int64_t kind, int N>
+KV_AVX512_VNNI inline __m512 vnni_row_term(__m512 acc, const __m512i* w, __m512 dw, __m512 mw, const uint8_t* act, int t) {
+  const uint8_t* x = act + t * kBlock;
+  __m512i isum = kind == Q4_1 ? _mm512_setzero_si512()
+                              : _mm512_set1_epi32(*reinterpret_cast<const word32*>(act + kOff + 4 * t));
+  if constexpr (N < 4) {
+    __m512i i1 = _mm512_setzero_si512();
+    for (int k = 0; k < 8; k += 2) {
+      isum = dot16(isum, w[k], x + 4 * k);
+      i1 = dot16(i1, w[k + 1], x + 4 * k + 4);
+    }
+    isum = _mm512_add_epi32(isum, i1);
+  } else {
+#pragma GCC unroll 8
+    for (int k = 0; k < 8; k++) isum = dot16(isum, w[k], x + 4 * k);
+  }
+  return add_block_term<kind>(acc, isum, dw, mw, act + t * 4, kVectorTiles);
+}
+
+// The tile's accumulators as variables acc0..acc7 (KV_TILE_ROWS(F): F(t) for every row; F acts where
+// t < N), not an array: GCC keeps an array of 4 or more vectors on the stack, and every block's terms
+// then load and store each accumulator.
+#define KV_TILE_ROWS(F) F(0) F(1) F(2) F(3) F(4) F(5) F(6) F(7)
+
 template <int64_t kind, int N>
 KV_AVX512_VNNI void tile_avx512(const uint8_t* rec, int64_t nb, const uint8_t* act, float* out, bool ahead) {
+  static_assert(N <= kTile);
   constexpr int64_t QB = quant_bytes(kind), RB = record_bytes(kind);
-  __m512 acc[N];
-  for (int t = 0; t < N; t++) acc[t] = _mm512_setzero_ps();
+#define KV_ZERO(t) __m512 acc##t = _mm512_setzero_ps();
+  KV_TILE_ROWS(KV_ZERO)
+#undef KV_ZERO
   const __m512i low = _mm512_set1_epi8(0x0F);
   for (int64_t b = 0; b < nb; b++, rec += RB, act += kActRecord) {
     __m512i w[8];  // w[k] pairs with the activation's int32 word k (elements 4k..4k+3)
@@ -279,28 +309,13 @@ KV_AVX512_VNNI void tile_avx512(const uint8_t* rec, int64_t nb, const uint8_t* a
     const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + QB)));
     __m512 mw = _mm512_setzero_ps();
     if constexpr (kind == Q4_1) mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + QB + 32)));
-#pragma GCC unroll 8
-    for (int t = 0; t < N; t++) {
-      const uint8_t* x = act + t * kBlock;
-      // the block's integer sum starts at its offset; alone, a row takes two chains of dependent
-      // products, else the other rows' chains overlap its own
-      __m512i isum = kind == Q4_1 ? _mm512_setzero_si512()
-                                  : _mm512_set1_epi32(*reinterpret_cast<const word32*>(act + kOff + 4 * t));
-      if constexpr (N < 4) {
-        __m512i i1 = _mm512_setzero_si512();
-        for (int k = 0; k < 8; k += 2) {
-          isum = dot16(isum, w[k], x + 4 * k);
-          i1 = dot16(i1, w[k + 1], x + 4 * k + 4);
-        }
-        isum = _mm512_add_epi32(isum, i1);
-      } else {
-#pragma GCC unroll 8
-        for (int k = 0; k < 8; k++) isum = dot16(isum, w[k], x + 4 * k);
-      }
-      acc[t] = add_block_term<kind>(acc[t], isum, dw, mw, act + t * 4, kVectorTiles);
-    }
+#define KV_TERM(t) if constexpr (t < N) acc##t = vnni_row_term<kind, N>(acc##t, w, dw, mw, act, t);
+    KV_TILE_ROWS(KV_TERM)
+#undef KV_TERM
   }
-  for (int t = 0; t < N; t++) _mm512_storeu_ps(out + kLanes * t, acc[t]);
+#define KV_OUT(t) if constexpr (t < N) _mm512_storeu_ps(out + kLanes * t, acc##t);
+  KV_TILE_ROWS(KV_OUT)
+#undef KV_OUT
 }
 
 // ---- the 8-lane paths: the same lanes in two halves ----------------------------------------------------
@@ -389,9 +404,9 @@ KV_AVX2 void tile_half(const uint8_t* rec, int64_t nb, const uint8_t* act, float
 #define KV_AMX __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512vnni,avx2,f16c,fma")))
 
 // ldtilecfg's 64 bytes: palette 1; per block in flight (two: one's integer sums are made while the
-// other's float steps run), an A tile (16 activation rows x a block's 32 quants, signed: tiles 0 and
-// 3), a B tile (the block's 8 slices: 16 weight rows x 4 quants each, unsigned: 1 and 4) and a C tile
-// (16 x 16 int32 sums: 2 and 5)
+// other's float steps run), an A tile (up to 16 activation rows x a block's 32 quants, signed: tiles 0
+// and 3), a B tile (the block's 8 slices: 16 weight rows x 4 quants each, unsigned: 1 and 4) and a C
+// tile (the rows x 16 int32 sums: 2 and 5)
 struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0;
   uint8_t reserved[14] = {};
@@ -400,12 +415,13 @@ struct alignas(64) TileConfig {
 };
 
 // Tile state is per thread: each thread configures it before its first tile and releases it after its
-// last (a thread with tiles configured saves 8 KB more at every context switch).
-KV_AMX void amx_start() {
+// last (a thread with tiles configured saves 8 KB more at every context switch). `rows`: the A and C
+// tiles' rows, the call's activation rows up to kAmxTile (a tile computes as many rows as it has).
+KV_AMX void amx_start(int64_t rows) {
   TileConfig c;
-  for (int i : {0, 3}) c.rows[i] = kAmxTile, c.colsb[i] = kBlock;
+  for (int i : {0, 3}) c.rows[i] = uint8_t(rows), c.colsb[i] = kBlock;
   for (int i : {1, 4}) c.rows[i] = kBlock / 4, c.colsb[i] = 4 * kLanes;
-  for (int i : {2, 5}) c.rows[i] = kAmxTile, c.colsb[i] = 4 * kLanes;
+  for (int i : {2, 5}) c.rows[i] = uint8_t(rows), c.colsb[i] = 4 * kLanes;
   // not _tile_loadconfig: GCC 12's tells the compiler it reads 8 bytes, and the stores above go
   asm volatile("ldtilecfg %0" : : "m"(c));
 }
@@ -428,53 +444,115 @@ KV_AMX const uint8_t* b_tiles(const uint8_t* rec, int64_t nb, uint8_t* out) {
   return out;
 }
 
-// acc[t] += the block's terms for the 16 rows from its integer sums (add_block_term, as tile_avx512)
-template <int64_t kind>
-KV_AMX inline void amx_block_terms(const int32_t* sums, const uint8_t* rec, const uint8_t* act, __m512 acc[kAmxTile]) {
-  constexpr int64_t QB = quant_bytes(kind);
-  constexpr ActLayout L = kAmxTiles;
-  const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + QB)));
-  __m512 mw = _mm512_setzero_ps();
-  if constexpr (kind == Q4_1) mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + QB + 32)));
-#pragma GCC unroll 16
-  for (int t = 0; t < kAmxTile; t++) {
-    __m512i isum = _mm512_load_si512(sums + kLanes * t);
-    if constexpr (kind != Q4_1) isum = _mm512_add_epi32(isum, _mm512_set1_epi32(*reinterpret_cast<const word32*>(act + L.off() + 4 * t)));
-    acc[t] = add_block_term<kind>(acc[t], isum, dw, mw, act + 4 * t, L);
+// Tile loads and stores that name the memory they read or write: GCC's _tile_loadd names none, and its
+// _tile_stored clobbers all memory, which sends the accumulators to the stack at every block.
+struct TileBytes { uint8_t b[512]; };  // what an A tile (up to 16 rows x 32 bytes) or a B tile (8 x 64) reads
+struct TileSums { int32_t v[kAmxTile * kLanes]; };  // what a C tile's store writes
+#define KV_TILE_LOAD(tmm, base, stride)                                                    \
+  asm volatile("tileloadd (%1,%2,1), %%tmm" #tmm                                           \
+               : : "m"(*reinterpret_cast<const TileBytes*>(base)), "r"(base), "r"(int64_t(stride)))
+#define KV_TILE_STORE(tmm, sums) \
+  asm volatile("tilestored %%tmm" #tmm ", (%1,%2,1)" : "=m"(*reinterpret_cast<TileSums*>(sums)) : "r"(sums), "r"(int64_t(64)))
+
+// Block b's integer sums into C tile 2 (slot 0: A tile 0, B tile 1) or 5 (slot 1: tiles 3 and 4). A
+// block's sums are made two blocks before its float steps run, so tdpbsud's latency is spent on them.
+template <int64_t kind, int slot>
+KV_AMX inline void amx_sums(const uint8_t* B, const uint8_t* act, int64_t b) {
+  constexpr int64_t BB = kind == Q8_0 ? record_bytes(kind) : 512;  // B: a block's tile every BB bytes
+  constexpr int64_t AR = kAmxTiles.record();
+  if constexpr (slot == 0) {
+    KV_TILE_LOAD(0, act + b * AR, kBlock);
+    KV_TILE_LOAD(1, B + b * BB, 64);
+    _tile_zero(2);
+    _tile_dpbsud(2, 0, 1);
+  } else {
+    KV_TILE_LOAD(3, act + b * AR, kBlock);
+    KV_TILE_LOAD(4, B + b * BB, 64);
+    _tile_zero(5);
+    _tile_dpbsud(5, 3, 4);
   }
 }
 
-// One row group's 16 weight rows (records at rec, B tiles at B: b_tiles) against a tile of 16
-// activation rows (all 16 computed, the caller keeps the meaningful ones) into out [16][16]. Per block,
-// tdpbsud makes the 256 integer sums (exact, as vpdpbusd's are); the float steps are tile_avx512's,
-// so the bits are the same.
+// The 16 accumulators of a tile's rows as 16 variables, acc0..acc15: an array of 16 (or 8) vectors is
+// kept on the stack by GCC (too large for its scalar replacement), and every block's terms then load
+// and store each one. KV_ROWS(F) expands F(t) for every row, F(t) acting only where t < N.
+#define KV_ROWS(F) F(0) F(1) F(2) F(3) F(4) F(5) F(6) F(7) F(8) F(9) F(10) F(11) F(12) F(13) F(14) F(15)
+
+// acc + row t's term of a block from its integer sums (add_block_term, as tile_avx512)
 template <int64_t kind>
+KV_AMX inline __m512 amx_row_term(__m512 acc, const int32_t* sums, int t, __m512 dw, __m512 mw, const uint8_t* act) {
+  constexpr ActLayout L = kAmxTiles;
+  __m512i isum = _mm512_load_si512(sums + kLanes * t);
+  if constexpr (kind != Q4_1) isum = _mm512_add_epi32(isum, _mm512_set1_epi32(*reinterpret_cast<const word32*>(act + L.off() + 4 * t)));
+  return add_block_term<kind>(acc, isum, dw, mw, act + 4 * t, L);
+}
+
+// One row group's 16 weight rows (records at rec, B tiles at B: b_tiles) against a tile of activation
+// rows into out [N][16]: the tile's first N rows (its tile registers may hold more: padding, dropped).
+// Per block, tdpbsud makes the integer sums (exact, as vpdpbusd's are); the float steps are
+// tile_avx512's, so the bits are the same.
+template <int64_t kind, int N>
 KV_AMX void tile_amx(const uint8_t* rec, const uint8_t* B, int64_t nb, const uint8_t* act, float* out) {
-  constexpr int64_t RB = record_bytes(kind), BB = kind == Q8_0 ? RB : 512;  // B: a block's tile every BB bytes
-  constexpr int64_t AR = kAmxTiles.record();
+  constexpr int64_t RB = record_bytes(kind), QB = quant_bytes(kind), AR = kAmxTiles.record();
   alignas(64) int32_t sums[2][kAmxTile * kLanes];
-  __m512 acc[kAmxTile];
-  for (int t = 0; t < kAmxTile; t++) acc[t] = _mm512_setzero_ps();
+#define KV_ZERO(t) __m512 acc##t = _mm512_setzero_ps();
+  KV_ROWS(KV_ZERO)
+#undef KV_ZERO
+  // block b's terms from sums s, for every row of the tile
+#define KV_TERM(t) if constexpr (t < N) acc##t = amx_row_term<kind>(acc##t, s, t, dw, mw, a);
+#define KV_BLOCK_TERMS(s_, b_)                                                                                 \
+  {                                                                                                            \
+    const int32_t* s = s_;                                                                                     \
+    const uint8_t* r = rec + (b_) * RB;                                                                        \
+    const uint8_t* a = act + (b_) * AR;                                                                        \
+    const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + QB)));           \
+    __m512 mw = _mm512_setzero_ps();                                                                           \
+    if constexpr (kind == Q4_1) mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + QB + 32))); \
+    KV_ROWS(KV_TERM)                                                                                           \
+  }
+  // block b: its sums made (tdpbsud into C tile 2 or 5 by b's parity) two blocks ahead of its float
+  // steps, stored one block ahead, so neither tdpbsud's latency nor the wait of a load behind a
+  // tile store falls on the float steps
+  amx_sums<kind, 0>(B, act, 0);
+  if (nb > 1) amx_sums<kind, 1>(B, act, 1);
+  KV_TILE_STORE(2, sums[0]);
   for (int64_t b = 0; b < nb; b += 2) {
-    _tile_loadd(0, act + b * AR, kBlock);
-    _tile_loadd(1, B + b * BB, 64);
-    _tile_zero(2);
-    _tile_dpbsud(2, 0, 1);
-    const bool second = b + 1 < nb;
-    if (second) {  // the next block's sums are made while this one's float steps run
-      _tile_loadd(3, act + (b + 1) * AR, kBlock);
-      _tile_loadd(4, B + (b + 1) * BB, 64);
-      _tile_zero(5);
-      _tile_dpbsud(5, 3, 4);
-    }
-    _tile_stored(2, sums[0], 4 * kLanes);
-    amx_block_terms<kind>(sums[0], rec + b * RB, act + b * AR, acc);
-    if (second) {
-      _tile_stored(5, sums[1], 4 * kLanes);
-      amx_block_terms<kind>(sums[1], rec + (b + 1) * RB, act + (b + 1) * AR, acc);
+    if (b + 1 < nb) KV_TILE_STORE(5, sums[1]);
+    if (b + 2 < nb) amx_sums<kind, 0>(B, act, b + 2);
+    KV_BLOCK_TERMS(sums[0], b)
+    if (b + 1 < nb) {
+      if (b + 2 < nb) KV_TILE_STORE(2, sums[0]);
+      if (b + 3 < nb) amx_sums<kind, 1>(B, act, b + 3);
+      KV_BLOCK_TERMS(sums[1], b + 1)
     }
   }
-  for (int t = 0; t < kAmxTile; t++) _mm512_storeu_ps(out + kLanes * t, acc[t]);
+#undef KV_BLOCK_TERMS
+#undef KV_TERM
+#define KV_OUT(t) if constexpr (t < N) _mm512_storeu_ps(out + kLanes * t, acc##t);
+  KV_ROWS(KV_OUT)
+#undef KV_OUT
+}
+
+template <int64_t kind>
+void tile_amx_rows(int n, const uint8_t* rec, const uint8_t* B, int64_t nb, const uint8_t* act, float* out) {
+  switch (n) {
+    case 1: return tile_amx<kind, 1>(rec, B, nb, act, out);
+    case 2: return tile_amx<kind, 2>(rec, B, nb, act, out);
+    case 3: return tile_amx<kind, 3>(rec, B, nb, act, out);
+    case 4: return tile_amx<kind, 4>(rec, B, nb, act, out);
+    case 5: return tile_amx<kind, 5>(rec, B, nb, act, out);
+    case 6: return tile_amx<kind, 6>(rec, B, nb, act, out);
+    case 7: return tile_amx<kind, 7>(rec, B, nb, act, out);
+    case 8: return tile_amx<kind, 8>(rec, B, nb, act, out);
+    case 9: return tile_amx<kind, 9>(rec, B, nb, act, out);
+    case 10: return tile_amx<kind, 10>(rec, B, nb, act, out);
+    case 11: return tile_amx<kind, 11>(rec, B, nb, act, out);
+    case 12: return tile_amx<kind, 12>(rec, B, nb, act, out);
+    case 13: return tile_amx<kind, 13>(rec, B, nb, act, out);
+    case 14: return tile_amx<kind, 14>(rec, B, nb, act, out);
+    case 15: return tile_amx<kind, 15>(rec, B, nb, act, out);
+    default: return tile_amx<kind, 16>(rec, B, nb, act, out);
+  }
 }
 
 // ---- dispatch -----------------------------------------------------------------------------------------
@@ -592,7 +670,7 @@ at::Tensor qgemm(const at::Tensor& w_any, int64_t kind, int64_t rows, int64_t co
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
     float out[kAmxTile * kLanes];
     uint8_t* b_mine = b_bytes ? b_all + at::get_thread_num() * b_bytes : nullptr;
-    if (amx) amx_start();
+    if (amx) amx_start(std::min(T, kAmxTile));
     for (int64_t g = begin; g < end; g++) {
       const uint8_t* rec = W + g * nb * RB;
       const int64_t r0 = g * kLanes, live = std::min(kLanes, rows - r0);
@@ -607,9 +685,9 @@ at::Tensor qgemm(const at::Tensor& w_any, int64_t kind, int64_t rows, int64_t co
         const uint8_t* tile = A + (t0 / L.rows) * tile_bytes;
         const bool ahead = t0 == 0 && (n == kTile || few_rows_ahead);
         if (amx) {
-          if (kind == Q4_0) tile_amx<Q4_0>(rec, B, nb, tile, out);
-          else if (kind == Q4_1) tile_amx<Q4_1>(rec, B, nb, tile, out);
-          else tile_amx<Q8_0>(rec, B, nb, tile, out);
+          if (kind == Q4_0) tile_amx_rows<Q4_0>(n, rec, B, nb, tile, out);
+          else if (kind == Q4_1) tile_amx_rows<Q4_1>(n, rec, B, nb, tile, out);
+          else tile_amx_rows<Q8_0>(n, rec, B, nb, tile, out);
         } else if (kind == Q4_0) {
           tile_rows<Q4_0>(isa, n, rec, nb, tile, out, ahead);
         } else if (kind == Q4_1) {

@@ -10,23 +10,25 @@
 //
 // Contract (bits): a row's output depends on its query, its sequence's K/V at 0..row_len-1 and
 // row_len alone: not on the other rows, the thread count, the block size, the pool's size or where
-// the blocks sit. Per query head, in float32:
+// the blocks sit. Per query head, in float32, every step with subnormal inputs and results taken as 0
+// (MXCSR's DAZ and FTZ, set on each thread for the call: simd.h's FlushSubnormals), which is what
+// vdpbf16ps does in any case:
 // - keys go in groups of 16 positions (block sizes are multiples of 16: a group lies in one block),
 //   in position order, within partitions of 256 positions;
 // - a group's scores: q . k over pairs of dimensions in order, pair p adding q[2p+1] k[2p+1] and then
 //   q[2p] k[2p] (each product exact, each sum rounded) to one of two sums (even and odd pairs), added
-//   at the end, times 1/sqrt(hd); positions >= row_len are left out. vdpbf16ps computes exactly that
-//   where the CPU has AVX512-BF16, fused multiply-adds elsewhere (the same bits but for subnormals);
+//   at the end, times 1/sqrt(hd); positions >= row_len are left out. vdpbf16ps computes exactly that,
+//   and so do fused multiply-adds, bit for bit (where the CPU lacks AVX512-BF16, or they are faster:
+//   dot_bf16_default);
 // - online softmax within a partition: m' = max(m, scores), c = e^(m - m'), p = e^(s - m') rounded
 //   to bfloat16 (nearest even; below the smallest normal float32, 0), l = l c + p (16 lane sums),
 //   acc = acc c + 0 (never -0), then the values by pairs of keys in position order, pair j adding
 //   p_2j+1 V_2j+1 and then p_2j V_2j (each product exact, each sum rounded); pairs past the row's
 //   keys are left out, and a key past them in its last pair weighs 0, which adds nothing. vdpbf16ps
-//   computes that where the CPU has AVX512-BF16, fused multiply-adds elsewhere (the same bits but
-//   for subnormal values and sums). The rounded weights halve the values' arithmetic; against a
-//   float64 reference the error stays that of the output's rounding (2.3e-3 of the largest output,
-//   as with float32 weights). The partition's partial is (m, the lanes of l summed in a fixed tree,
-//   acc);
+//   or fused multiply-adds compute that, as for the scores. The rounded weights halve the values'
+//   arithmetic; against a float64 reference the error stays that of the output's rounding (2.3e-3
+//   of the largest output, as with float32 weights). The partition's partial is (m, the lanes of l
+//   summed in a fixed tree, acc);
 // - partials fold left to right in partition order (`fold`), and the output is acc / l, rounded once
 //   to bfloat16 (nearest even).
 // Rows of one sequence next to each other share each load of K and V (a tile); a sequence read by
@@ -40,8 +42,8 @@
 // The steps run on AVX512 (F, BW, VL: attention_steps.h) or, on CPUs without it, on AVX2 and FMA
 // (attention_steps_avx2.h: the same arithmetic on two 8-lane halves of each 16-lane vector).
 // kvstore::attention_isa() says which this CPU runs ("avx512", "avx2", or "" where neither);
-// kvstore::attention_dot_bf16() whether the scores and the values use vdpbf16ps (tests turn it off to
-// compare).
+// kvstore::attention_dot_bf16() whether the scores and the values use vdpbf16ps (tests switch it to
+// compare the two ways).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -62,7 +64,19 @@
 
 namespace {
 
-std::atomic<bool> dot_bf16{has_avx512() && __builtin_cpu_supports("avx512bf16")};  // see attention_dot_bf16
+// Whether the scores and the values take vdpbf16ps (else fused multiply-adds: the same bits, see the
+// contract): where the CPU has AVX512-BF16 and is not Intel's. On an Intel Xeon with AMX vdpbf16ps
+// ran at a quarter of the rate of fused multiply-adds (1.4 against 0.36 cycles of the 2.6 GHz clock
+// each, 8-12 independent sums), so the two multiply-adds that replace one take half its time:
+// measured alternately against vdpbf16ps, a prefill chunk's attention (512 rows at 1,536 positions,
+// one layer, 2 threads) 0.85-0.89x the time, a whole 2,048-token prefill 0.88-0.92x, one row over
+// 1k positions (one thread, the cache in L2) 0.86-0.94x. AMD's Zen 4 and 5 keep vdpbf16ps, as
+// their benchmarks ran; the multiply-adds were not measured against it there.
+bool dot_bf16_default() {
+  __builtin_cpu_init();
+  return has_avx512() && __builtin_cpu_supports("avx512bf16") && !__builtin_cpu_is("intel");
+}
+std::atomic<bool> dot_bf16{dot_bf16_default()};  // see attention_dot_bf16
 
 constexpr int64_t kPartition = 256;   // keys per partial softmax: what a long row splits into
 constexpr int64_t kTileQueries = 24;  // query heads (rows x heads per KV head) sharing each K/V load
@@ -236,6 +250,7 @@ template <typename F>
 void each(int64_t n, int64_t queries, const Problem& pb, const F& body) {
   std::atomic<int64_t> next{0};
   const auto run = [&](int64_t, int64_t) {
+    const FlushSubnormals flush;  // the contract's rounding, on each thread that computes
     Work w(queries, pb.hd, pb.record());
     for (int64_t i; (i = next.fetch_add(1)) < n;) body(i, w);
   };
@@ -431,8 +446,9 @@ at::Tensor attention_rows(const at::Tensor& q, const at::Tensor& pool, const at:
 
 std::string attention_isa() { return isa(); }
 
-// Whether the scores and the values use vdpbf16ps (by default where the CPU has it); set(false) makes
-// them take the fused multiply-adds, for tests that compare the two. Returns the setting before.
+// Whether the scores and the values use vdpbf16ps (by default: dot_bf16_default); set(true) makes
+// them take it where the CPU has it, set(false) the fused multiply-adds, for tests that compare the two
+// and benchmarks. Returns the setting before.
 bool attention_dot_bf16(std::optional<bool> set) {
   static const bool present = [] {
     __builtin_cpu_init();

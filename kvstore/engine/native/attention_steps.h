@@ -175,8 +175,8 @@ KV_AVX512 void keys_by_pairs(const uint16_t* k, int64_t stride, int64_t hd, uint
 // in two sums, of the even and of the odd pairs, added at the end; pair p adds q[2p+1] k[2p+1], then
 // q[2p] k[2p], each rounded (products of bfloat16 values are exact in float32). That is what
 // vdpbf16ps computes (AVX512-BF16, q's pairs in qb [N][hd]), and what fused multiply-adds compute from
-// the widened values (qf [N][hd]) on CPUs without it; the two differ only where a value or a sum is
-// subnormal (vdpbf16ps reads and writes those as 0).
+// the widened values (qf [N][hd]): the same bits, since the kernel runs with subnormals read and
+// written as 0, as vdpbf16ps treats them (FlushSubnormals).
 template <int N>
 KV_AVX512_BF16 void scores_bf16(const uint16_t* qb, const float*, int64_t hd, const uint32_t* kt, float scale, float* s) {
   __m512 sum[N][2];

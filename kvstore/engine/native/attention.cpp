@@ -72,17 +72,9 @@ namespace {
 // one layer, 2 threads) 0.85-0.89x the time, a whole 2,048-token prefill 0.88-0.92x, one row over
 // 1k positions (one thread, the cache in L2) 0.86-0.94x. AMD's Zen 4 and 5 keep vdpbf16ps, as
 // their benchmarks ran; the multiply-adds were not measured against it there.
-// whether this CPU runs the scores and values by vdpbf16ps (the AVX512 steps, with AVX512-BF16)
-bool has_dot_bf16() {
-  static const bool present = [] {
-    __builtin_cpu_init();
-    return has_avx512() && __builtin_cpu_supports("avx512bf16") != 0;
-  }();
-  return present;
-}
 bool dot_bf16_default() {
   __builtin_cpu_init();
-  return has_dot_bf16() && !__builtin_cpu_is("intel");
+  return has_avx512() && __builtin_cpu_supports("avx512bf16") && !__builtin_cpu_is("intel");
 }
 std::atomic<bool> dot_bf16{dot_bf16_default()};  // see attention_dot_bf16
 
@@ -458,8 +450,12 @@ std::string attention_isa() { return isa(); }
 // them take it where the CPU has it, set(false) the fused multiply-adds, for tests that compare the two
 // and benchmarks. Returns the setting before.
 bool attention_dot_bf16(std::optional<bool> set) {
+  static const bool present = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512bf16") != 0;
+  }();
   const bool before = dot_bf16.load();
-  if (set.has_value()) dot_bf16.store(*set && has_dot_bf16());
+  if (set.has_value()) dot_bf16.store(*set && present);
   return before;
 }
 

@@ -252,23 +252,6 @@ KV_AVX512_VNNI inline __m512 add_block_term(__m512 acc, __m512i isum, __m512 dw,
   return acc;
 }
 
-// a weight record's 16 rows' dw and (Q4_1) mw as float32, for add_block_term (mw 0 for the others)
-template <int64_t kind>
-KV_AVX512_VNNI inline void record_scales(const uint8_t* rec, __m512& dw, __m512& mw) {
-  constexpr int64_t QB = quant_bytes(kind);
-  dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + QB)));
-  mw = kind == Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + QB + 32)))
-                    : _mm512_setzero_ps();
-}
-
-// A tile's accumulators as variables acc0..acc15, not an array: GCC keeps an array of 4 or more
-// vectors on the stack (too large for its scalar replacement), and every block's terms then load and
-// store each one. KV_ROWS(F) expands F(t) for every row t; the F here act only where t < N (the
-// tile's rows), and the others' variables are never used.
-#define KV_ROWS(F) F(0) F(1) F(2) F(3) F(4) F(5) F(6) F(7) F(8) F(9) F(10) F(11) F(12) F(13) F(14) F(15)
-#define KV_ACC_ZERO(t) __m512 acc##t = _mm512_setzero_ps();
-#define KV_ACC_OUT(t) if constexpr (t < N) _mm512_storeu_ps(out + kLanes * t, acc##t);
-
 // acc += the 16 rows' products of 4 quants with the 4 activation bytes at x, broadcast from memory
 // (the intrinsic makes a separate broadcast instruction of it)
 KV_AVX512_VNNI inline __m512i dot16(__m512i acc, __m512i w, const uint8_t* x) {
@@ -298,11 +281,18 @@ KV_AVX512_VNNI inline __m512 vnni_row_term(__m512 acc, const __m512i* w, __m512 
   return add_block_term<kind>(acc, isum, dw, mw, act + t * 4, kVectorTiles);
 }
 
+// The tile's accumulators as variables acc0..acc7 (KV_TILE_ROWS(F): F(t) for every row; F acts where
+// t < N), not an array: GCC keeps an array of 4 or more vectors on the stack, and every block's terms
+// then load and store each accumulator.
+#define KV_TILE_ROWS(F) F(0) F(1) F(2) F(3) F(4) F(5) F(6) F(7)
+
 template <int64_t kind, int N>
 KV_AVX512_VNNI void tile_avx512(const uint8_t* rec, int64_t nb, const uint8_t* act, float* out, bool ahead) {
   static_assert(N <= kTile);
-  constexpr int64_t RB = record_bytes(kind);
-  KV_ROWS(KV_ACC_ZERO)
+  constexpr int64_t QB = quant_bytes(kind), RB = record_bytes(kind);
+#define KV_ZERO(t) __m512 acc##t = _mm512_setzero_ps();
+  KV_TILE_ROWS(KV_ZERO)
+#undef KV_ZERO
   const __m512i low = _mm512_set1_epi8(0x0F);
   for (int64_t b = 0; b < nb; b++, rec += RB, act += kActRecord) {
     __m512i w[8];  // w[k] pairs with the activation's int32 word k (elements 4k..4k+3)
@@ -316,13 +306,16 @@ KV_AVX512_VNNI void tile_avx512(const uint8_t* rec, int64_t nb, const uint8_t* a
       }
     }
     if (ahead) prefetch_ahead<kind>(rec);
-    __m512 dw, mw;
-    record_scales<kind>(rec, dw, mw);
+    const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + QB)));
+    __m512 mw = _mm512_setzero_ps();
+    if constexpr (kind == Q4_1) mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + QB + 32)));
 #define KV_TERM(t) if constexpr (t < N) acc##t = vnni_row_term<kind, N>(acc##t, w, dw, mw, act, t);
-    KV_ROWS(KV_TERM)
+    KV_TILE_ROWS(KV_TERM)
 #undef KV_TERM
   }
-  KV_ROWS(KV_ACC_OUT)
+#define KV_OUT(t) if constexpr (t < N) _mm512_storeu_ps(out + kLanes * t, acc##t);
+  KV_TILE_ROWS(KV_OUT)
+#undef KV_OUT
 }
 
 // ---- the 8-lane paths: the same lanes in two halves ----------------------------------------------------
@@ -480,6 +473,11 @@ KV_AMX inline void amx_sums(const uint8_t* B, const uint8_t* act, int64_t b) {
   }
 }
 
+// The 16 accumulators of a tile's rows as 16 variables, acc0..acc15: an array of 16 (or 8) vectors is
+// kept on the stack by GCC (too large for its scalar replacement), and every block's terms then load
+// and store each one. KV_ROWS(F) expands F(t) for every row, F(t) acting only where t < N.
+#define KV_ROWS(F) F(0) F(1) F(2) F(3) F(4) F(5) F(6) F(7) F(8) F(9) F(10) F(11) F(12) F(13) F(14) F(15)
+
 // acc + row t's term of a block from its integer sums (add_block_term, as tile_avx512)
 template <int64_t kind>
 KV_AMX inline __m512 amx_row_term(__m512 acc, const int32_t* sums, int t, __m512 dw, __m512 mw, const uint8_t* act) {
@@ -495,17 +493,21 @@ KV_AMX inline __m512 amx_row_term(__m512 acc, const int32_t* sums, int t, __m512
 // tile_avx512's, so the bits are the same.
 template <int64_t kind, int N>
 KV_AMX void tile_amx(const uint8_t* rec, const uint8_t* B, int64_t nb, const uint8_t* act, float* out) {
-  constexpr int64_t RB = record_bytes(kind), AR = kAmxTiles.record();
+  constexpr int64_t RB = record_bytes(kind), QB = quant_bytes(kind), AR = kAmxTiles.record();
   alignas(64) int32_t sums[2][kAmxTile * kLanes];
-  KV_ROWS(KV_ACC_ZERO)
+#define KV_ZERO(t) __m512 acc##t = _mm512_setzero_ps();
+  KV_ROWS(KV_ZERO)
+#undef KV_ZERO
   // block b's terms from sums s, for every row of the tile
 #define KV_TERM(t) if constexpr (t < N) acc##t = amx_row_term<kind>(acc##t, s, t, dw, mw, a);
 #define KV_BLOCK_TERMS(s_, b_)                                                                                 \
   {                                                                                                            \
     const int32_t* s = s_;                                                                                     \
+    const uint8_t* r = rec + (b_) * RB;                                                                        \
     const uint8_t* a = act + (b_) * AR;                                                                        \
-    __m512 dw, mw;                                                                                             \
-    record_scales<kind>(rec + (b_) * RB, dw, mw);                                                              \
+    const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + QB)));           \
+    __m512 mw = _mm512_setzero_ps();                                                                           \
+    if constexpr (kind == Q4_1) mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + QB + 32))); \
     KV_ROWS(KV_TERM)                                                                                           \
   }
   // block b: its sums made (tdpbsud into C tile 2 or 5 by b's parity) two blocks ahead of its float
@@ -526,7 +528,9 @@ KV_AMX void tile_amx(const uint8_t* rec, const uint8_t* B, int64_t nb, const uin
   }
 #undef KV_BLOCK_TERMS
 #undef KV_TERM
-  KV_ROWS(KV_ACC_OUT)
+#define KV_OUT(t) if constexpr (t < N) _mm512_storeu_ps(out + kLanes * t, acc##t);
+  KV_ROWS(KV_OUT)
+#undef KV_OUT
 }
 
 template <int64_t kind>

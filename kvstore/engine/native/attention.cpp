@@ -100,11 +100,16 @@ struct Steps {
                      int64_t, Work&);
   void (*fold)(float*, const float*, float, float, int64_t, bool);
   float (*lane_sum)(const float*);
+  // where the instruction set has them (else null): a group's scores for every KV head at once, and
+  // the accumulators back in dimension order after values taken from the rows (see group_step)
+  void (*head_scores)(const Problem&, const uint32_t*, int64_t, Work&);
+  void (*natural_order)(const Problem&, bool, float*, int64_t);
 };
 
 const Steps& steps() {
-  static const Steps avx512_steps{&avx512::layout_group, &avx512::group_step, &avx512::fold, &avx512::lane_sum};
-  static const Steps avx2_steps{&avx2::layout_group, &avx2::group_step, &avx2::fold, &avx2::lane_sum};
+  static const Steps avx512_steps{&avx512::layout_group, &avx512::group_step, &avx512::fold, &avx512::lane_sum,
+                                  &avx512::head_scores, &avx512::natural_order};
+  static const Steps avx2_steps{&avx2::layout_group, &avx2::group_step, &avx2::fold, &avx2::lane_sum, nullptr, nullptr};
   return has_avx512() ? avx512_steps : avx2_steps;
 }
 
@@ -147,11 +152,20 @@ int64_t load_queries(const Problem& pb, const int64_t* row, int64_t n, int64_t* 
 // Partition `part` of sequence `seq` (read up to max_len; laid out at `layout` in layouts, or -1) for the
 // queries in w, per_kv a KV head, query i seeing len[i % per_kv] positions: the partials (m, lane sums,
 // acc) in w.
+// A decode step's tiles (few queries per KV head, nothing laid out) take each group's V from the rows
+// and, on AVX512, score every KV head's queries at once (head_scores) and weigh the values without
+// shuffles across keys (values_rows_fma). With the touch left out on Intel (read_in_order) and the
+// softmax weights kept in bfloat16 only for vdpbf16ps (group_step), one decode row over 1k positions
+// (Intel Xeon with AMX, one thread, the cache in L2) took 0.84-0.92x the time (alternated 3 times:
+// 43 against 49 us a layer call); the same output bits. From memory on two threads it ran as fast as
+// before: there the reads bound it (benchmarks/decode_parts.py).
 void run_partition(const Problem& pb, int64_t seq, int64_t max_len, int64_t layout, const uint32_t* layouts,
                    const int64_t* len, int64_t per_kv, int64_t part, Work& w) {
   const Steps& st = steps();
   const int64_t hd = pb.hd, nq = per_kv * pb.n_kv, stride = pb.token_stride();
   const int64_t start = part * kPartition, end = std::min(start + kPartition, max_len);
+  // a few queries per KV head (a decode step's tiles) read V from the rows and score every head at once
+  const bool from_rows = layout < 0 && values_from_rows(hd, per_kv), heads_at_once = from_rows && st.head_scores;
   int64_t valid[kTileQueries];  // of the queries of one KV head (the same for each)
   std::fill(w.m, w.m + nq, kNegInf);
   std::fill(w.lsum, w.lsum + nq * kGroup, 0.0f);
@@ -168,15 +182,24 @@ void run_partition(const Problem& pb, int64_t seq, int64_t max_len, int64_t layo
     read_in_order(rows, std::min(kGroup, max_len - g) * stride);
     const int64_t next = g + kGroup < end ? std::min(kGroup, max_len - g - kGroup) : 0;  // the next group's keys
     prefetch_ahead(w, next ? pb.token(seq, g + kGroup) : rows, next * stride * 2, pb.n_kv);
-    const int64_t keys = std::min(kGroup, max_len - g);
-    uint32_t* vt = values_from_rows(hd, per_kv) ? nullptr : w.vt;
+    const int64_t keys = std::min(kGroup, max_len - g), words = hd / 2 * kGroup;
+    uint32_t* vt = from_rows ? nullptr : w.vt;
+    if (heads_at_once) {  // every head's K laid out, then all their scores (head_scores)
+      for (int64_t kv = 0; kv < pb.n_kv; kv++) {
+        prefetch_some(w);
+        st.layout_group(pb, rows + kv * hd, keys, w.kt + kv * words, nullptr);
+      }
+      st.head_scores(pb, w.kt, per_kv, w);
+    }
     for (int64_t kv = 0; kv < pb.n_kv; kv++) {  // the prefetch slots: here, between the two calls, two in the step
       prefetch_some(w);
-      st.layout_group(pb, rows + kv * hd, keys, w.kt, vt);
+      if (!heads_at_once) st.layout_group(pb, rows + kv * hd, keys, w.kt, vt);
       prefetch_some(w);
-      st.group_step(pb, w.kt, vt, rows + (pb.n_kv + kv) * hd, keys, valid, kv * per_kv, per_kv, w);
+      st.group_step(pb, heads_at_once ? nullptr : w.kt, vt, rows + (pb.n_kv + kv) * hd, keys, valid, kv * per_kv,
+                    per_kv, w);
     }
   }
+  if (st.natural_order) st.natural_order(pb, from_rows, w.acc, nq);
 }
 
 // query i's partial in w (run_partition's) into the record r of the scratch: acc, m, l
@@ -251,7 +274,7 @@ void each(int64_t n, int64_t queries, const Problem& pb, const F& body) {
   std::atomic<int64_t> next{0};
   const auto run = [&](int64_t, int64_t) {
     const FlushSubnormals flush;  // the contract's rounding, on each thread that computes
-    Work w(queries, pb.hd, pb.record());
+    Work w(queries, pb.hd, pb.record(), pb.n_kv);
     for (int64_t i; (i = next.fetch_add(1)) < n;) body(i, w);
   };
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), n);

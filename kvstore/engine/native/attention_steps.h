@@ -49,7 +49,8 @@ struct Problem {
   }
 };
 
-// Per-thread working memory, 64-byte aligned, sized for `queries` queries.
+// Per-thread working memory, 64-byte aligned, sized for `queries` queries and n_kv KV heads (kt holds
+// a group's K of every head: [n_kv][hd / 2][16]).
 struct Work {
   std::unique_ptr<float, decltype(&std::free)> mem{nullptr, &std::free};
   float *qf, *p, *lsum, *m, *corr, *acc, *fold;
@@ -57,9 +58,10 @@ struct Work {
   uint32_t *kt, *pw, *vt;
   const char *ahead = nullptr, *ahead_end = nullptr;  // what prefetch_some fetches: the next group's rows
   int64_t ahead_lines = 0;                            // cache lines a call fetches
-  Work(int64_t queries, int64_t hd, int64_t record) {
+  Work(int64_t queries, int64_t hd, int64_t record, int64_t n_kv) {
     const int64_t sizes[] = {queries * hd, queries * kGroup, queries * kGroup, queries, queries, queries * hd,
-                             queries * record, queries * hd / 2, hd / 2 * kGroup, queries * kGroup / 2, kGroup / 2 * hd};
+                             queries * record, queries * hd / 2, n_kv * hd / 2 * kGroup, queries * kGroup / 2,
+                             kGroup / 2 * hd};
     int64_t total = 0;
     for (int64_t n : sizes) total += (n + 15) / 16 * 16;
     mem.reset(static_cast<float*>(std::aligned_alloc(64, total * sizeof(float))));
@@ -83,8 +85,19 @@ struct Work {
 // Touches the group's rows (16 tokens of one block, each head's K then V: one stretch of memory) once
 // in address order. The reads across rows that follow are no stream the hardware prefetcher follows;
 // these loads are, which doubles the speed at which the cache comes from memory here (Zen 5), more than
-// software prefetches did.
+// software prefetches did. Not on Intel CPUs, whose prefetchers follow the reads as they are: there
+// the touch cost time with the cache in L2 (a decode row over 1k positions, one thread: 3 of 53 us)
+// and gained none from memory.
+inline bool touch_in_order() {
+  static const bool intel = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_is("intel") != 0;
+  }();
+  return !intel;
+}
+
 inline void read_in_order(const uint16_t* rows, int64_t elements) {
+  if (!touch_in_order()) return;
   const volatile char* bytes = reinterpret_cast<const volatile char*>(rows);
   for (int64_t b = 0; b < elements * 2; b += 64) (void)bytes[b];
 }
@@ -177,37 +190,52 @@ KV_AVX512 void keys_by_pairs(const uint16_t* k, int64_t stride, int64_t hd, uint
 // vdpbf16ps computes (AVX512-BF16, q's pairs in qb [N][hd]), and what fused multiply-adds compute from
 // the widened values (qf [N][hd]): the same bits, since the kernel runs with subnormals read and
 // written as 0, as vdpbf16ps treats them (FlushSubnormals).
-template <int N>
-KV_AVX512_BF16 void scores_bf16(const uint16_t* qb, const float*, int64_t hd, const uint32_t* kt, float scale, float* s) {
-  __m512 sum[N][2];
-  for (int i = 0; i < N; i++) sum[i][0] = sum[i][1] = _mm512_setzero_ps();
+// H > 1: the N queries of each of H KV heads at once (query h N + i against the keys at kt + h
+// kt_words), so that more sums are in flight: a sum's steps depend each on the one before, and N
+// queries alone (a decode step's few per KV head) leave the multiply-adds waiting on that chain. The
+// same steps for every sum, so the same bits.
+template <int N, int H = 1>
+KV_AVX512_BF16 void scores_bf16(const uint16_t* qb, const float*, int64_t hd, const uint32_t* kt, float scale, float* s,
+                                int64_t kt_words = 0) {
+  __m512 sum[H][N][2];
+  for (int h = 0; h < H; h++)
+    for (int i = 0; i < N; i++) sum[h][i][0] = sum[h][i][1] = _mm512_setzero_ps();
   for (int64_t p = 0; p < hd / 2; p += 2)
-    for (int c = 0; c < 2; c++) {
-      const __m512bh k = (__m512bh)_mm512_load_si512(kt + (p + c) * kGroup);
-      for (int i = 0; i < N; i++) {
-        const uint32_t* pairs = reinterpret_cast<const uint32_t*>(qb + i * hd);
-        sum[i][c] = _mm512_dpbf16_ps(sum[i][c], k, (__m512bh)_mm512_set1_epi32(int32_t(pairs[p + c])));
+    for (int c = 0; c < 2; c++)
+      for (int h = 0; h < H; h++) {
+        const __m512bh k = (__m512bh)_mm512_load_si512(kt + h * kt_words + (p + c) * kGroup);
+        for (int i = 0; i < N; i++) {
+          const uint32_t* pairs = reinterpret_cast<const uint32_t*>(qb + (h * N + i) * hd);
+          sum[h][i][c] = _mm512_dpbf16_ps(sum[h][i][c], k, (__m512bh)_mm512_set1_epi32(int32_t(pairs[p + c])));
+        }
       }
-    }
-  for (int i = 0; i < N; i++) _mm512_store_ps(s + i * kGroup, _mm512_mul_ps(_mm512_add_ps(sum[i][0], sum[i][1]), _mm512_set1_ps(scale)));
+  for (int h = 0; h < H; h++)
+    for (int i = 0; i < N; i++)
+      _mm512_store_ps(s + (h * N + i) * kGroup, _mm512_mul_ps(_mm512_add_ps(sum[h][i][0], sum[h][i][1]), _mm512_set1_ps(scale)));
 }
 
-template <int N>
-KV_AVX512 void scores_fma(const uint16_t*, const float* qf, int64_t hd, const uint32_t* kt, float scale, float* s) {
+template <int N, int H = 1>
+KV_AVX512 void scores_fma(const uint16_t*, const float* qf, int64_t hd, const uint32_t* kt, float scale, float* s,
+                          int64_t kt_words = 0) {
   const __m512i high = _mm512_set1_epi32(int32_t(0xffff0000u));
-  __m512 sum[N][2];
-  for (int i = 0; i < N; i++) sum[i][0] = sum[i][1] = _mm512_setzero_ps();
+  __m512 sum[H][N][2];
+  for (int h = 0; h < H; h++)
+    for (int i = 0; i < N; i++) sum[h][i][0] = sum[h][i][1] = _mm512_setzero_ps();
   for (int64_t p = 0; p < hd / 2; p += 2)
-    for (int c = 0; c < 2; c++) {
-      const __m512i k = _mm512_load_si512(kt + (p + c) * kGroup);
-      const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(k, 16)), odd = _mm512_castsi512_ps(_mm512_and_si512(k, high));
-      const int64_t d = 2 * (p + c);
-      for (int i = 0; i < N; i++) {
-        sum[i][c] = _mm512_fmadd_ps(_mm512_set1_ps(qf[i * hd + d + 1]), odd, sum[i][c]);
-        sum[i][c] = _mm512_fmadd_ps(_mm512_set1_ps(qf[i * hd + d]), even, sum[i][c]);
+    for (int c = 0; c < 2; c++)
+      for (int h = 0; h < H; h++) {
+        const __m512i k = _mm512_load_si512(kt + h * kt_words + (p + c) * kGroup);
+        const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(k, 16)), odd = _mm512_castsi512_ps(_mm512_and_si512(k, high));
+        const int64_t d = 2 * (p + c);
+        for (int i = 0; i < N; i++) {
+          const float* q = qf + (h * N + i) * hd;
+          sum[h][i][c] = _mm512_fmadd_ps(_mm512_set1_ps(q[d + 1]), odd, sum[h][i][c]);
+          sum[h][i][c] = _mm512_fmadd_ps(_mm512_set1_ps(q[d]), even, sum[h][i][c]);
+        }
       }
-    }
-  for (int i = 0; i < N; i++) _mm512_store_ps(s + i * kGroup, _mm512_mul_ps(_mm512_add_ps(sum[i][0], sum[i][1]), _mm512_set1_ps(scale)));
+  for (int h = 0; h < H; h++)
+    for (int i = 0; i < N; i++)
+      _mm512_store_ps(s + (h * N + i) * kGroup, _mm512_mul_ps(_mm512_add_ps(sum[h][i][0], sum[h][i][1]), _mm512_set1_ps(scale)));
 }
 
 // V rows (16 from v, `stride` elements apart, the first `keys` of them; the others read as 0) ->
@@ -329,10 +357,51 @@ KV_AVX512 void values_fma(const uint32_t*, const float* p, const float* corr, co
   end_values<N, W>(valid, a, hd, d0, acc);
 }
 
+// values_fma with V taken from the rows (no vt), in other lanes: a key's 32 dimensions from d0 + 32 c
+// are one load, its even dimensions (the low halves of its 32-bit words, shifted up) and its odd ones
+// (the high halves) two vectors, with no shuffle across keys; so the accumulators hold, for those 32
+// dimensions, the even ones at acc [d0 + 32 c, +16) (dimension 2k in lane k) and the odd ones at
+// [+16, +32) (natural_order puts them back). Each dimension takes the same steps in the same order as
+// in values_fma, so the same bits.
+template <int N, int W>
+KV_AVX512 void values_rows_fma(const uint32_t*, const float* p, const float* corr, const int64_t* valid, const uint32_t*,
+                               const uint16_t* v, int64_t stride, int64_t rows, int64_t hd, int64_t d0, float* acc) {
+  static_assert(W % 2 == 0);
+  constexpr int C = W / 2;  // 32-dimension stretches
+  const __m512i high = _mm512_set1_epi32(int32_t(0xffff0000u));
+  __m512 a[N][W];
+  const int64_t keys = start_values<N, W>(corr, valid, acc, hd, d0, a);
+  for (int64_t j = 0; 2 * j < keys; j++) {
+    const uint16_t* even_key = v + 2 * j * stride + d0;
+    __m512 e0[C], o0[C], e1[C], o1[C];  // keys 2j (0) and 2j + 1 (1): even and odd dimensions
+    for (int c = 0; c < C; c++) {
+      const __m512i x0 = _mm512_loadu_si512(even_key + 32 * c);
+      const __m512i x1 = 2 * j + 1 < rows ? _mm512_loadu_si512(even_key + stride + 32 * c) : _mm512_setzero_si512();
+      e0[c] = _mm512_castsi512_ps(_mm512_slli_epi32(x0, 16));
+      o0[c] = _mm512_castsi512_ps(_mm512_and_si512(x0, high));
+      e1[c] = _mm512_castsi512_ps(_mm512_slli_epi32(x1, 16));
+      o1[c] = _mm512_castsi512_ps(_mm512_and_si512(x1, high));
+    }
+    for (int i = 0; i < N; i++) {
+      if (2 * j >= valid[i]) continue;
+      const __m512 pe = _mm512_set1_ps(p[i * kGroup + 2 * j]), po = _mm512_set1_ps(p[i * kGroup + 2 * j + 1]);
+      for (int c = 0; c < C; c++) {
+        a[i][2 * c] = _mm512_fmadd_ps(pe, e0[c], _mm512_fmadd_ps(po, e1[c], a[i][2 * c]));
+        a[i][2 * c + 1] = _mm512_fmadd_ps(pe, o0[c], _mm512_fmadd_ps(po, o1[c], a[i][2 * c + 1]));
+      }
+    }
+  }
+  end_values<N, W>(valid, a, hd, d0, acc);
+}
+
 template <int N>
 void weighted_values_n(bool dot, const uint32_t* pw, const float* p, const float* corr, const int64_t* valid,
                        const uint32_t* vt, const uint16_t* v, int64_t stride, int64_t rows, int64_t hd, int64_t d0,
                        int64_t width, float* acc) {
+  if (!vt && !dot) {  // from the rows: hd a multiple of 32 (values_from_rows), so width is 2 or 4
+    if (width == 2) return values_rows_fma<N, 2>(pw, p, corr, valid, vt, v, stride, rows, hd, d0, acc);
+    return values_rows_fma<N, 4>(pw, p, corr, valid, vt, v, stride, rows, hd, d0, acc);
+  }
   switch (width + (dot ? 4 : 0)) {
     case 1: return values_fma<N, 1>(pw, p, corr, valid, vt, v, stride, rows, hd, d0, acc);
     case 2: return values_fma<N, 2>(pw, p, corr, valid, vt, v, stride, rows, hd, d0, acc);
@@ -354,8 +423,10 @@ KV_AVX512 void layout_group(const Problem& pb, const uint16_t* k, int64_t keys, 
 }
 
 // One group for the nq queries of one KV head, the unit's queries first..first+nq-1: kt and vt hold
-// the group's K and V of that head (layout_group); vt null (values_from_rows): V from the first `keys`
-// of the V rows at v. valid[i] counts the group's keys query first + i sees (0..16).
+// the group's K and V of that head (layout_group); kt null: their scores are in w.p already
+// (head_scores); vt null (values_from_rows): V from the first `keys` of the V rows at v, the
+// accumulators in values_rows_fma's order where the values take fused multiply-adds (natural_order
+// afterwards). valid[i] counts the group's keys query first + i sees (0..16).
 KV_AVX512 KV_NOINLINE void group_step(const Problem& pb, const uint32_t* kt, const uint32_t* vt, const uint16_t* v,
                                       int64_t keys, const int64_t* valid, int64_t first, int64_t nq, Work& w) {
   const int64_t hd = pb.hd, stride = pb.token_stride();
@@ -363,7 +434,7 @@ KV_AVX512 KV_NOINLINE void group_step(const Problem& pb, const uint32_t* kt, con
   float *qf_all = w.qf + first * hd, *p_all = w.p + first * kGroup, *lsum = w.lsum + first * kGroup;
   float *m_all = w.m + first, *corr_all = w.corr + first, *acc_all = w.acc + first * hd;
   uint32_t* pw_all = w.pw + first * kGroup / 2;
-  for (int64_t i = 0; i < nq; i += kSub) {
+  for (int64_t i = 0; kt && i < nq; i += kSub) {  // (kt null: head_scores made them)
     const int64_t n = std::min<int64_t>(kSub, nq - i);
     if (*std::max_element(valid + i, valid + i + n) == 0) continue;
     const uint16_t* qb = qb_all + i * hd;
@@ -393,8 +464,9 @@ KV_AVX512 KV_NOINLINE void group_step(const Problem& pb, const uint32_t* kt, con
     const __m512 p = round_weights(_mm512_maskz_mov_ps(mask, exp_nonpositive(_mm512_sub_ps(s, _mm512_set1_ps(m)))));
     _mm512_store_ps(lsum + i * kGroup, _mm512_fmadd_ps(_mm512_load_ps(lsum + i * kGroup), _mm512_set1_ps(c), p));
     _mm512_store_ps(p_all + i * kGroup, p);
-    _mm256_store_si256(reinterpret_cast<__m256i*>(pw_all + i * kGroup / 2),  // the bfloat16 weights, by pairs
-                       _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(p), 16)));
+    if (pb.dot_bf16)  // the bfloat16 weights, by pairs, for vdpbf16ps (the multiply-adds take p)
+      _mm256_store_si256(reinterpret_cast<__m256i*>(pw_all + i * kGroup / 2),
+                         _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(p), 16)));
     m_all[i] = m;
     corr_all[i] = c;
   }
@@ -414,6 +486,51 @@ KV_AVX512 KV_NOINLINE void group_step(const Problem& pb, const uint32_t* kt, con
       }
     }
   }
+}
+
+// The scores of one group for the queries of every KV head, per_kv of each (at most kSub: a decode
+// step's tiles), their keys laid out in kt [n_kv][hd / 2][16], into w.p as group_step makes them (it
+// is then handed no kt): several heads at once (scores_fma's H), the same steps.
+template <int N>
+KV_AVX512 void head_scores_n(const Problem& pb, const uint32_t* kt, Work& w) {
+  constexpr int H = N == 3 ? 3 : 8 / N;
+  const int64_t hd = pb.hd, words = hd / 2 * kGroup;
+  int64_t kv = 0;
+  for (; kv + H <= pb.n_kv; kv += H) {
+    const int64_t q = kv * N;
+    if (pb.dot_bf16) scores_bf16<N, H>(w.qb + q * hd, nullptr, hd, kt + kv * words, pb.scale, w.p + q * kGroup, words);
+    else scores_fma<N, H>(nullptr, w.qf + q * hd, hd, kt + kv * words, pb.scale, w.p + q * kGroup, words);
+  }
+  for (; kv < pb.n_kv; kv++) {
+    const int64_t q = kv * N;
+    if (pb.dot_bf16) scores_bf16<N>(w.qb + q * hd, nullptr, hd, kt + kv * words, pb.scale, w.p + q * kGroup);
+    else scores_fma<N>(nullptr, w.qf + q * hd, hd, kt + kv * words, pb.scale, w.p + q * kGroup);
+  }
+}
+
+KV_AVX512 KV_NOINLINE void head_scores(const Problem& pb, const uint32_t* kt, int64_t per_kv, Work& w) {
+  switch (per_kv) {
+    case 1: return head_scores_n<1>(pb, kt, w);
+    case 2: return head_scores_n<2>(pb, kt, w);
+    case 3: return head_scores_n<3>(pb, kt, w);
+    default: return head_scores_n<4>(pb, kt, w);
+  }
+}
+
+// The accumulators of nq queries back in dimension order after values_rows_fma (which the values
+// took when V came from the rows by multiply-adds): per 32 dimensions, the even ones then the odd
+// ones -> interleaved. Moves values only.
+KV_AVX512 void natural_order(const Problem& pb, bool from_rows, float* acc, int64_t nq) {
+  if (!from_rows || pb.dot_bf16) return;
+  const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  const __m512i hi = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+  for (int64_t i = 0; i < nq; i++)
+    for (int64_t d = 0; d < pb.hd; d += 32) {
+      float* x = acc + i * pb.hd + d;
+      const __m512 even = _mm512_load_ps(x), odd = _mm512_load_ps(x + 16);
+      _mm512_store_ps(x, _mm512_permutex2var_ps(even, lo, odd));
+      _mm512_store_ps(x + 16, _mm512_permutex2var_ps(even, hi, odd));
+    }
 }
 
 // ---- partials -------------------------------------------------------------------------------------

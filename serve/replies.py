@@ -14,10 +14,13 @@ from typing import Any, Iterable, Iterator
 
 
 class Tokens:
-    """Collects the trace lines the library writes while it generates (`trace=` argument)."""
+    """Collects the trace lines the library writes while it generates (`trace=` argument). `digests`:
+    whether the lines carry the logits' hashes (TraceWriter computes them only then); a reply sends
+    them only to a client that asked for the trace."""
 
-    def __init__(self):
+    def __init__(self, digests: bool = True):
         self.lines: list[dict[str, Any]] = []
+        self.digests = digests
 
     def write(self, text: str) -> None:
         for line in text.splitlines():

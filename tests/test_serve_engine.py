@@ -85,6 +85,23 @@ def test_interleaving_changes_no_bit(tmp_path, model):
     assert together == {**run([a]), **run([b])}
 
 
+def test_a_job_that_did_not_ask_for_the_trace_gets_the_same_tokens_without_hashing_the_logits(tmp_path, model):
+    """The logits' hash (0.1 ms a token for a real vocabulary) is made only for a client that asked for
+    the trace (`kvstore_trace`, which the API process hands on as the job's "trace")."""
+    def tokens(job):
+        store = kvstore.open_store(tmp_path / f"home-{job['id']}")
+        try:
+            sent = run_loop(store, model, [job])
+        finally:
+            store.close()
+        return [(m["position"], m["token"], m["logits_sha256"]) for m in sent if m["event"] == "token"]
+
+    asked = tokens({**chat_job("a", "one", "hello there", 5), "trace": True})
+    plain = tokens({**chat_job("b", "one", "hello there", 5), "trace": False})
+    assert [t[:2] for t in plain] == [t[:2] for t in asked] and len(asked) == 5
+    assert all(len(h) == 64 for _, _, h in asked) and all(h is None for _, _, h in plain)
+
+
 def test_the_events_of_one_step_go_to_the_api_process_in_one_message(tmp_path, model):
     store = kvstore.open_store(tmp_path / "home")
     engine = Engine(store, model)

@@ -50,7 +50,8 @@ async def answer(request: Request, body, who: Tenant, x_session_id: str | None, 
     public, own = session_of(body.session, x_session_id, resume, f"{reply_class.prefix}-{request_id}")
     spec: dict[str, Any] = {
         **job, "session": who.stored(public), "max_tokens": svc.max_tokens(body.limit()), "stop": body.stop,
-        "sampling": body.sampler(), "create": svc.new_session_settings(body.seed, body.sampler()), "seed": body.seed}
+        "sampling": body.sampler(), "create": svc.new_session_settings(body.seed, body.sampler()), "seed": body.seed,
+        "trace": body.kvstore_trace}
     if resume:
         spec.update(after=resume.after, reply_start=resume.start)
     elif own and svc.config.prefix_cache:  # from the longest stored prefix of its prompt (C10)

@@ -197,7 +197,8 @@ def plan(request: Request, who: Tenant, body: ResponseRequest, resume) -> tuple[
         raise ApiError(400, f"Last-Event-ID names {public!r}, not a response", param="Last-Event-ID",
                        code="invalid_value")
     spec: dict[str, Any] = {"kind": "response", "messages": body.input_messages(), "stop": None,
-                            "max_tokens": svc.max_tokens(body.max_output_tokens), "sampling": sampling(body)}
+                            "max_tokens": svc.max_tokens(body.max_output_tokens), "sampling": sampling(body),
+                            "trace": body.kvstore_trace}
     conversation = body.conversation_id()
     if conversation is not None:
         info = info_of(st, who, conversation, CONVERSATION)

@@ -84,7 +84,7 @@ def chat(engine, job: dict[str, Any]) -> Iterator[dict[str, Any]]:
             how = "reused" if p.fork_at else "computed"
     yield {"event": "start", "context": how, **restore, **lookup}
     sampling = job.get("sampling") or {}
-    tokens = Tokens(digests=job.get("trace", True))
+    tokens = Tokens.for_job(job)
     args = dict(max_new_tokens=job["max_tokens"], trace=tokens, stop=tuple(job.get("stop") or ()), **sampling)
     if p.kind == "continue":
         pieces = converse(session, p.new, **args)
@@ -124,7 +124,7 @@ def complete(engine, job: dict[str, Any]) -> Iterator[dict[str, Any]]:
         yield {"event": "start", "context": how if session.tokens else "computed", **restore}
         cached = session.n_cached
         session.append_text(job["prompt"])
-    tokens = Tokens(digests=job.get("trace", True))
+    tokens = Tokens.for_job(job)
     ids = session.generate(job["max_tokens"], trace=tokens, stop=tuple(job.get("stop") or ()), **(job.get("sampling") or {}))
     yield from reply(engine, session, session.text(ids), tokens, job, cached)
 
@@ -171,7 +171,7 @@ def resume(engine, job: dict[str, Any]) -> Iterator[dict[str, Any]]:
         raise kvstore.errors.InvalidArgument(
             f"Last-Event-ID does not name a position of the last reply of session {session.name!r}; "
             "resend the request without it")
-    tokens = Tokens(digests=job.get("trace", True))
+    tokens = Tokens.for_job(job)
     tok = session.model.tokenizer
     stored = session.tokens[start:]
     pieces = stored_pieces(kvstore.StreamDecoder(tok), stored, start, tokens, tok.eos_ids)

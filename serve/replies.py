@@ -22,6 +22,11 @@ class Tokens:
         self.lines: list[dict[str, Any]] = []
         self.digests = digests
 
+    @classmethod
+    def for_job(cls, job: dict[str, Any]) -> "Tokens":
+        """The collector of a job's reply: hashes unless the client did not ask for the trace."""
+        return cls(digests=job.get("trace", True))
+
     def write(self, text: str) -> None:
         for line in text.splitlines():
             if line.strip():

@@ -74,7 +74,7 @@ namespace {
 // their benchmarks ran; the multiply-adds were not measured against it there.
 bool dot_bf16_default() {
   __builtin_cpu_init();
-  return has_avx512() && __builtin_cpu_supports("avx512bf16") && !__builtin_cpu_is("intel");
+  return has_avx512() && __builtin_cpu_supports("avx512bf16") && !intel_cpu();
 }
 std::atomic<bool> dot_bf16{dot_bf16_default()};  // see attention_dot_bf16
 
@@ -103,7 +103,7 @@ struct Steps {
   // where the instruction set has them (else null): a group's scores for every KV head at once, and
   // the accumulators back in dimension order after values taken from the rows (see group_step)
   void (*head_scores)(const Problem&, const uint32_t*, int64_t, Work&);
-  void (*natural_order)(const Problem&, bool, float*, int64_t);
+  void (*natural_order)(const Problem&, float*, int64_t);
 };
 
 const Steps& steps() {
@@ -199,7 +199,7 @@ void run_partition(const Problem& pb, int64_t seq, int64_t max_len, int64_t layo
                     per_kv, w);
     }
   }
-  if (st.natural_order) st.natural_order(pb, from_rows, w.acc, nq);
+  if (from_rows && st.natural_order) st.natural_order(pb, w.acc, nq);
 }
 
 // query i's partial in w (run_partition's) into the record r of the scratch: acc, m, l

@@ -88,16 +88,8 @@ struct Work {
 // software prefetches did. Not on Intel CPUs, whose prefetchers follow the reads as they are: there
 // the touch cost time with the cache in L2 (a decode row over 1k positions, one thread: 3 of 53 us)
 // and gained none from memory.
-inline bool touch_in_order() {
-  static const bool intel = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_is("intel") != 0;
-  }();
-  return !intel;
-}
-
 inline void read_in_order(const uint16_t* rows, int64_t elements) {
-  if (!touch_in_order()) return;
+  if (intel_cpu()) return;
   const volatile char* bytes = reinterpret_cast<const volatile char*>(rows);
   for (int64_t b = 0; b < elements * 2; b += 64) (void)bytes[b];
 }
@@ -517,11 +509,11 @@ KV_AVX512 KV_NOINLINE void head_scores(const Problem& pb, const uint32_t* kt, in
   }
 }
 
-// The accumulators of nq queries back in dimension order after values_rows_fma (which the values
-// took when V came from the rows by multiply-adds): per 32 dimensions, the even ones then the odd
-// ones -> interleaved. Moves values only.
-KV_AVX512 void natural_order(const Problem& pb, bool from_rows, float* acc, int64_t nq) {
-  if (!from_rows || pb.dot_bf16) return;
+// The accumulators of nq queries back in dimension order after values taken from the rows (where
+// the multiply-adds took them: values_rows_fma): per 32 dimensions, the even ones then the odd ones
+// -> interleaved. Moves values only.
+KV_AVX512 void natural_order(const Problem& pb, float* acc, int64_t nq) {
+  if (pb.dot_bf16) return;
   const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
   const __m512i hi = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
   for (int64_t i = 0; i < nq; i++)

@@ -80,6 +80,15 @@ static inline bool has_avx2() {
   return present;
 }
 
+// whether the CPU is Intel's (some steps choose their way by vendor: each says why)
+static inline bool intel_cpu() {
+  static const bool intel = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_is("intel") != 0;
+  }();
+  return intel;
+}
+
 // whether this CPU runs KV_AVX512 code
 static inline bool has_avx512() {
   static const bool present = [] {

@@ -8,12 +8,16 @@ table has grown, or on what ran before. Single-token steps take other kernels th
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import pytest
 import torch
 from torch.testing import assert_close
 
 import kvstore
 from kvstore import KVCache, SamplerSettings, Sequence
+from kvstore.engine.models.llama import ROPE_BLOCK
 
 ARCHS = ["llama-gqa", "qwen2-bias", "llama3-rope"]
 
@@ -36,6 +40,24 @@ def test_logits_do_not_depend_on_cache_capacity_or_rope_table_length(tiny, name,
     big = grown.new_cache(capacity=2048)
     assert torch.equal(greedy(grown, prompt, cache=big), reference)
     assert torch.equal(greedy(fresh, prompt), reference), "a second run in the same process"
+
+
+@pytest.mark.parametrize("name", ARCHS)
+def test_rotary_table_holds_each_angles_exact_cos_and_sin_rounded_once(tiny, name):
+    """Every entry of the rotary table is the float32 rounding of the exact cos (sin) of its angle,
+    the float32 product position x inverse frequency. No library's float32 approximation: MKL's
+    (torch's on the CPU) took another code path for part of a long tensor in some processes, so the
+    table, and the bits a continued session decoded, changed from process to process."""
+    net = kvstore.load_model(tiny(name).folder, dtype="float32").net
+    n = 2 * ROPE_BLOCK + 5  # two whole blocks and a third
+    cos, sin = net.rope(0, n)  # [n, 1, hd] each: cos | cos, -sin | sin
+    inv = net.inv_freq.tolist()
+    half = len(inv)
+    angles = [[float(np.float32(p) * np.float32(f)) for f in inv] for p in range(n)]
+    exact_cos = torch.tensor([[math.cos(a) for a in row] for row in angles], dtype=torch.float64).float()
+    exact_sin = torch.tensor([[math.sin(a) for a in row] for row in angles], dtype=torch.float64).float()
+    assert torch.equal(cos[:, 0, :half], exact_cos) and torch.equal(cos[:, 0, half:], exact_cos)
+    assert torch.equal(sin[:, 0, :half], -exact_sin) and torch.equal(sin[:, 0, half:], exact_sin)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

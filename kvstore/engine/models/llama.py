@@ -33,6 +33,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from ...errors import UnsupportedModel
@@ -304,9 +305,19 @@ class Llama:
         return cos[pos:end], sin[pos:end]
 
     def _rope_block(self, start: int) -> tuple[torch.Tensor, torch.Tensor]:
-        t = torch.arange(start, start + ROPE_BLOCK, dtype=torch.float32, device=self.inv_freq.device)
-        freqs = torch.outer(t, self.inv_freq)  # [ROPE_BLOCK, hd/2]
-        cos, sin = freqs.cos(), freqs.sin()
+        """cos and signed sin of positions start..start+ROPE_BLOCK-1, `[ROPE_BLOCK, 1, head_dim]` each.
+
+        The angles are float32 products position x inverse frequency (each rounded once, as HF's);
+        their cos and sin are taken in float64 by numpy on this thread and rounded to float32, then
+        to the model dtype. So every entry is the float32 rounding of the exact value (numpy's float64
+        error is far below it), the same in every process and on every CPU. torch's float32 cos is
+        not: on the CPU it is MKL's, which computes part of a long tensor on a second thread and
+        there took another code path in about one process in eight (Intel Xeon with AMX: half of a
+        block's cos entries off by up to a few bfloat16 ulps), so a session continued in another
+        process decoded other bits now and then."""
+        t = np.arange(start, start + ROPE_BLOCK, dtype=np.float32)
+        freqs = np.outer(t, self.inv_freq.cpu().numpy()).astype(np.float64)  # [ROPE_BLOCK, hd/2] float32 angles
+        cos, sin = (torch.from_numpy(f(freqs)).float().to(self.device) for f in (np.cos, np.sin))
         dtype = self.dtype
         # rotate_half(x) * sin == cat(x2, x1) * cat(-sin, sin): fold the sign into the table
         return torch.cat([cos, cos], -1).to(dtype)[:, None], torch.cat([-sin, sin], -1).to(dtype)[:, None]

@@ -30,7 +30,7 @@ from typing import Callable, Iterator
 import torch
 
 from ..errors import PoolFull, PoolTooSmall
-from .buffers import huge_pages
+from .buffers import free_pages_reported, huge_pages, small_pages
 from .cache import POOL
 
 BLOCK_TOKENS = 16  # positions per block: a multiple of the attention kernel's key group
@@ -63,14 +63,20 @@ class BlockPool:
         self.on_full: Callable[[int], None] | None = None  # asked to free blocks when too few are left
 
     def _layer_memory(self, shape: tuple[int, ...]) -> torch.Tensor:
-        """One layer's blocks: on the CPU in huge pages where the system has them (`buffers.huge_pages`:
-        attention reads a session's blocks with a TLB miss per 2 MiB, not per 4 KiB; pages never written
-        take no memory), else plain memory."""
-        nbytes = math.prod(shape) * self.dtype.itemsize
-        huge = huge_pages(nbytes) if self.device.type == "cpu" else None
-        if huge is None:
+        """One layer's blocks. On the CPU in huge pages where the system has them (`buffers.huge_pages`:
+        attention reads a session's blocks with a TLB miss per 2 MiB, not per 4 KiB; on an AMD EPYC
+        Zen 3 VM attention over a cold cache ran about 10 % faster), except where free pages are
+        reported to a host (`buffers.free_pages_reported`): there a fresh huge page took 10-20 ms to
+        fault, and sequences growing in one decode step cross into new pages of every layer at once,
+        so that step stalled (8 sessions at 512 positions: 0.6 s against 15 ms), again each time the
+        pool grew into pages not written before. There (Intel Xeon with AMX, KVM) the step's median
+        from small pages was 1.00-1.04x that from huge ones (five alternated runs). Pages never
+        written take no memory either way."""
+        if self.device.type != "cpu":
             return torch.empty(shape, dtype=self.dtype, device=self.device)
-        return torch.from_numpy(huge).view(self.dtype).view(shape)
+        nbytes = math.prod(shape) * self.dtype.itemsize
+        huge = huge_pages(nbytes) if not free_pages_reported() else None
+        return torch.from_numpy(huge if huge is not None else small_pages(nbytes)).view(self.dtype).view(shape)
 
     @classmethod
     def for_budget(cls, n_layers: int, n_kv_heads: int, head_dim: int, *, dtype: torch.dtype, budget_bytes: int,

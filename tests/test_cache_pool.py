@@ -11,6 +11,7 @@ import torch
 import kvstore
 from kvstore.engine.buffers import HUGE_PAGE, BufferPool, HugeArena, huge_pages
 from kvstore.engine.cache import KVCache, POOL
+from memory_kit import thp_eligible
 
 
 @pytest.fixture(autouse=True)
@@ -120,12 +121,23 @@ def test_large_buffers_start_on_a_huge_page_and_occupy_no_more_than_their_size()
     assert int(tail.sum()) == 700
 
 
-def test_a_cache_on_huge_pages_holds_what_is_written_and_goes_back_to_the_pool():
+@pytest.mark.parametrize("reported", [False, True])
+def test_a_cache_on_huge_pages_holds_what_is_written_and_goes_back_to_the_pool(monkeypatch, reported):
+    """Large cache buffers start on huge pages where the system has them, except where free pages are
+    reported to a host (fresh huge pages are slow there): small pages then, which the kernel says,
+    where it says. Either way they hold what is written and go back to the pool."""
+    from kvstore.engine import cache as cache_module
+
+    monkeypatch.setattr(cache_module, "free_pages_reported", lambda: reported)
+    POOL.clear()  # buffers made now, by the rule under test
     layer_bytes = 4096 * 2 * 4 * 64 * 2  # 4,096 positions of [2, 4, 64] bfloat16: 4 MiB a layer
     cache = KVCache(2, 4, 64, dtype=torch.bfloat16, capacity=4096)
     assert all(t.untyped_storage().nbytes() >= layer_bytes for t in cache.layers)
-    if huge_pages(HUGE_PAGE) is not None:  # made of huge pages: each layer starts on one
+    if not reported and huge_pages(HUGE_PAGE) is not None:  # made of huge pages: each layer starts on one
         assert all(t.data_ptr() % HUGE_PAGE == 0 for t in cache.layers)
+    if reported:
+        eligible = [thp_eligible(t.data_ptr()) for t in cache.layers]
+        assert eligible in ([False, False], [None, None])
     rows = torch.randn(3000, 2, 4, 64).to(torch.bfloat16)
     for layer in range(2):
         cache.write(layer, 0, rows)

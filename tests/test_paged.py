@@ -18,6 +18,7 @@ import kvstore
 from engine_models import Q
 from kvstore.engine.paged import RUN_BLOCKS, BlockPool, PagedCache
 from kvstore.errors import PoolFull, PoolTooSmall
+from memory_kit import thp_eligible
 
 
 def pool_for(model, n_blocks: int = 64) -> BlockPool:
@@ -254,20 +255,3 @@ def test_free_page_reporting_is_read_from_the_balloons_feature_bits(monkeypatch,
             (tmp_path / "virtio3" / "features").write_text(features + "\n")
         assert buffers.free_pages_reported() is expected, features
     buffers.free_pages_reported.cache_clear()
-
-
-def thp_eligible(address: int) -> bool | None:
-    """/proc/self/smaps' THPeligible for the mapping holding `address` (None where it is not said)."""
-    try:
-        lines = open("/proc/self/smaps").read().splitlines()
-    except OSError:
-        return None
-    inside = False
-    for line in lines:
-        head = line.split()[0]
-        if "-" in head and not head.endswith(":"):
-            lo, hi = (int(x, 16) for x in head.split("-"))
-            inside = lo <= address < hi
-        elif inside and head == "THPeligible:":
-            return line.split()[1] == "1"
-    return None

@@ -260,6 +260,8 @@ class Llama:
         self.inv_freq = inv_frequencies(cfg, w.get("rope_freqs")).to(self.device)
         self._rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None
         self._stack = self._stack_args()
+        if self._stack is not None:
+            native.layers()  # settled now: a first build on this machine belongs to loading, not to a forward
 
     def _stack_args(self) -> tuple[list[torch.Tensor], list[int], list[torch.Tensor]] | None:
         """What `native.layers()` takes of the weights (per layer the four products' packed data, their

@@ -126,9 +126,9 @@ def test_a_cache_on_huge_pages_holds_what_is_written_and_goes_back_to_the_pool(m
     """Large cache buffers start on huge pages where the system has them, except where free pages are
     reported to a host (fresh huge pages are slow there): small pages then, which the kernel says,
     where it says. Either way they hold what is written and go back to the pool."""
-    from kvstore.engine import cache as cache_module
+    from kvstore.engine import buffers as buffers_module
 
-    monkeypatch.setattr(cache_module, "free_pages_reported", lambda: reported)
+    monkeypatch.setattr(buffers_module, "free_pages_reported", lambda: reported)
     POOL.clear()  # buffers made now, by the rule under test
     layer_bytes = 4096 * 2 * 4 * 64 * 2  # 4,096 positions of [2, 4, 64] bfloat16: 4 MiB a layer
     cache = KVCache(2, 4, 64, dtype=torch.bfloat16, capacity=4096)

@@ -227,9 +227,9 @@ def test_a_large_pool_sits_on_huge_pages_unless_free_pages_go_back_to_a_host(mon
     balloon reports free pages to the host: there a fresh huge page faults slowly, and a step whose
     sequences crossed into new ones in every layer at once stalled for 0.6 s. The kernel says which
     mappings may take huge pages, where it says; blocks hold their rows either way."""
-    from kvstore.engine import buffers, paged
+    from kvstore.engine import buffers
 
-    monkeypatch.setattr(paged, "free_pages_reported", lambda: reported)
+    monkeypatch.setattr(buffers, "free_pages_reported", lambda: reported)
     pool = BlockPool(2, 3, 64, dtype=torch.bfloat16, n_blocks=512)  # 3 MiB a layer
     cache = PagedCache(pool)
     rows = torch.randn(40, 2, 3, 64).to(torch.bfloat16)

@@ -15,9 +15,9 @@ fresh memory took 40 ms, into huge pages 5 ms (AMD EPYC Zen 5, KVM). Only whole 
 the buffer are advised, so a buffer never occupies more than its size; where huge pages cannot
 apply (small buffers, no THP) it returns None and the caller takes ordinary memory.
 
-`small_pages(nbytes)` is the opposite: a long-lived buffer advised against huge pages, for memory
-first written a little at a time while latency counts (the paged KV pool, paged.py) on a system where
-`free_pages_reported()`: a virtio balloon there reports free memory to the host (free page
+`small_pages(nbytes)` is the opposite: a long-lived buffer advised against huge pages, which
+`lasting_pages(nbytes)` (the choice for session caches and the paged KV pool) takes instead of
+huge pages on a system where `free_pages_reported()`: a virtio balloon there reports free memory to the host (free page
 reporting, in blocks of 2 MiB), which takes it back, so a fresh huge page is faulted in from the
 host. That took 10-20 ms a page: 64 MiB of fresh huge pages 380-640 ms to first write, of 4 KiB
 pages 25 ms (Intel Xeon with AMX, KVM), and a decode step of 8 sessions whose caches crossed into
@@ -142,6 +142,15 @@ def small_pages(nbytes: int) -> np.ndarray:
         except OSError:  # a kernel without transparent huge pages: small pages anyway
             pass
     return np.frombuffer(region, np.uint8)[:nbytes]  # keeps `region` mapped as long as any view of it lives
+
+
+def lasting_pages(nbytes: int) -> np.ndarray | None:
+    """A new flat uint8 array for memory that lives long (a cache buffer, a pool's layer): huge pages
+    (`huge_pages`), except where `free_pages_reported()` makes fresh ones slow: small pages there
+    (`small_pages`). None where neither applies (under 2 MiB, no THP): the caller allocates as usual."""
+    if nbytes >= HUGE_PAGE and free_pages_reported():
+        return small_pages(nbytes)
+    return huge_pages(nbytes)
 
 
 class HugeArena:

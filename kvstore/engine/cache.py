@@ -21,7 +21,7 @@ from typing import Iterator
 import torch
 
 from ..errors import InvalidArgument
-from .buffers import HUGE_PAGE, BufferPool, free_pages_reported, huge_pages, small_pages
+from .buffers import BufferPool, lasting_pages
 
 GROW_STEP = 256  # capacity is a multiple of this many tokens
 BLOCK = GROW_STEP  # tokens per block of `blocks`' paged view
@@ -40,16 +40,14 @@ def with_room(n_tokens: int) -> int:
 def _new_buffer(nbytes: int) -> torch.Tensor:
     """A flat uint8 CPU buffer that is a normal tensor even when a forward (under inference mode)
     grows a cache: pooled memory outlives that forward, and its next user may write it anywhere.
-    Large ones are made of huge pages where the system has them (`buffers.huge_pages`): filling
+    Large ones are made of huge pages where the system has them (`buffers.lasting_pages`): filling
     fresh memory (a new process's first restore) then costs little more than filling reused memory.
     Not where free pages are reported to a host (`buffers.free_pages_reported`), which makes fresh
     huge pages the slow ones: a new process opened a 2k-token session in 96-281 ms from huge pages,
     32-34 ms from small ones (Intel Xeon with AMX, KVM)."""
     with torch.inference_mode(False):
-        if nbytes >= HUGE_PAGE and free_pages_reported():
-            return torch.from_numpy(small_pages(nbytes))
-        huge = huge_pages(nbytes)
-        return torch.empty(nbytes, dtype=torch.uint8) if huge is None else torch.from_numpy(huge)
+        buf = lasting_pages(nbytes)
+        return torch.empty(nbytes, dtype=torch.uint8) if buf is None else torch.from_numpy(buf)
 
 
 POOL = BufferPool(limit=512 << 20, new=_new_buffer)  # flat uint8 CPU tensors

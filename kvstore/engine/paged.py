@@ -30,7 +30,7 @@ from typing import Callable, Iterator
 import torch
 
 from ..errors import PoolFull, PoolTooSmall
-from .buffers import free_pages_reported, huge_pages, small_pages
+from .buffers import lasting_pages
 from .cache import POOL
 
 BLOCK_TOKENS = 16  # positions per block: a multiple of the attention kernel's key group
@@ -63,7 +63,7 @@ class BlockPool:
         self.on_full: Callable[[int], None] | None = None  # asked to free blocks when too few are left
 
     def _layer_memory(self, shape: tuple[int, ...]) -> torch.Tensor:
-        """One layer's blocks. On the CPU in huge pages where the system has them (`buffers.huge_pages`:
+        """One layer's blocks. On the CPU in huge pages where the system has them (`buffers.lasting_pages`:
         attention reads a session's blocks with a TLB miss per 2 MiB, not per 4 KiB; on an AMD EPYC
         Zen 3 VM attention over a cold cache ran about 10 % faster), except where free pages are
         reported to a host (`buffers.free_pages_reported`): there a fresh huge page took 10-20 ms to
@@ -74,9 +74,10 @@ class BlockPool:
         written take no memory either way."""
         if self.device.type != "cpu":
             return torch.empty(shape, dtype=self.dtype, device=self.device)
-        nbytes = math.prod(shape) * self.dtype.itemsize
-        huge = huge_pages(nbytes) if not free_pages_reported() else None
-        return torch.from_numpy(huge if huge is not None else small_pages(nbytes)).view(self.dtype).view(shape)
+        buf = lasting_pages(math.prod(shape) * self.dtype.itemsize)
+        if buf is None:
+            return torch.empty(shape, dtype=self.dtype, device=self.device)
+        return torch.from_numpy(buf).view(self.dtype).view(shape)
 
     @classmethod
     def for_budget(cls, n_layers: int, n_kv_heads: int, head_dim: int, *, dtype: torch.dtype, budget_bytes: int,

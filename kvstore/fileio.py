@@ -90,6 +90,12 @@ class PosixIO:
         cached = direct_io.cached_pages(fd, offset, nbytes)
         return cached is not None and cached < direct_io.pages_in(offset, nbytes)
 
+    def in_page_cache(self, fd: int, offset: int, nbytes: int) -> bool:
+        """Whether the page cache is known to hold every page of [offset, offset + nbytes): False
+        where the system cannot say (`direct_io.cached_pages`)."""
+        cached = direct_io.cached_pages(fd, offset, nbytes)
+        return cached is not None and cached >= direct_io.pages_in(offset, nbytes)
+
     def pread_direct_into(self, fd: int, buf, offset: int) -> int:
         """`pread_into` from the disk straight into `buf` (or a list of buffers), past the page cache
         (`direct_io`): a cold session's 30 layer files in 13-15 ms where plain reads took 30-60. A

@@ -5,7 +5,10 @@ A direct read returns exactly the bytes a plain read does, wherever the destinat
 whatever the offset and length (aligned middle straight in, ends through the bounce buffer, or all
 of it bounced); a range the page cache lacks is `uncached`, one it holds is not; a session restored
 from evicted files continues exactly (trace equal to an uninterrupted run) and its damaged bytes are
-still caught; where direct I/O is refused the read is a plain one.
+still caught; where direct I/O is refused the read is a plain one. A restore asks the page cache per
+layer file and reads on READ_THREADS helpers when its first layer file is out of it; in it, the
+restore reads every layer plainly on as many helpers as cores, and is exact even where later layer
+files were evicted.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import kvstore
 import store_harness as H
 from kvstore import direct_io, fileio
 from kvstore.errors import CorruptData
+from kvstore.store import extents
 
 ALIGN = direct_io.ALIGN
 
@@ -105,6 +109,7 @@ def test_a_direct_read_past_the_end_of_the_file_is_short(big_file, left, congrue
 
 
 def test_a_range_out_of_the_page_cache_is_uncached_and_one_in_it_is_not(big_file):
+    """`uncached`: worth a direct read (partly out, and not small); `in_page_cache`: every page in."""
     path, data = big_file
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -112,10 +117,12 @@ def test_a_range_out_of_the_page_cache_is_uncached_and_one_in_it_is_not(big_file
             pytest.skip("this kernel cannot say what is in the page cache (cachestat: Linux 6.5+)")
         io = fileio.PosixIO()
         os.pread(fd, len(data), 0)
-        assert not io.uncached(fd, 0, len(data))
+        assert not io.uncached(fd, 0, len(data)) and io.in_page_cache(fd, 0, len(data))
         evict(path)
-        assert io.uncached(fd, 0, len(data))
+        assert io.uncached(fd, 0, len(data)) and not io.in_page_cache(fd, 0, len(data))
         assert not io.uncached(fd, 0, fileio.DIRECT_MIN - 1)  # small reads stay plain
+        os.pread(fd, ALIGN, 0)  # the first page back: the rest is still out
+        assert io.in_page_cache(fd, 0, ALIGN) and not io.in_page_cache(fd, 0, len(data))
     finally:
         os.close(fd)
 
@@ -166,6 +173,55 @@ def test_a_session_restored_from_evicted_files_continues_exactly(tmp_path, model
     store, trace, live, files = evicted_session(tmp_path, model, reference)
     with store.open("s", model) as s:
         assert len(every_read_direct) >= len(files)  # every layer file read past the page cache
+        assert all(torch.equal(a, b) for a, b in zip(live, s.seq.cache.state()))
+        list(s.generate(N_NEW - N_NEW // 3, trace=trace, stop_at_eos=False))
+        H.assert_matches(reference, s.tokens, H.read_trace(trace))
+
+
+@pytest.fixture
+def reading(monkeypatch):
+    """How a restore reads: the helpers each call asks for, and the page-cache questions per file."""
+    seen = {"threads": [], "asked": []}
+    real_map = extents.parallel_map
+    monkeypatch.setattr(extents, "parallel_map",
+                        lambda fn, items, threads: (seen["threads"].append(threads), real_map(fn, items, threads))[1])
+    real_uncached = fileio.PosixIO.uncached
+    monkeypatch.setattr(fileio.PosixIO, "uncached",
+                        lambda self, fd, offset, n: (seen["asked"].append(fd), real_uncached(self, fd, offset, n))[1])
+    return seen
+
+
+def test_a_cold_restore_asks_per_layer_file_and_reads_on_more_helpers_than_cores(tmp_path, model, reference,
+                                                                                every_read_direct, reading):
+    """Reads from the disk wait on it: READ_THREADS helpers keep more of them in flight."""
+    store, _, live, files = evicted_session(tmp_path, model, reference)
+    with store.open("s", model) as s:
+        assert all(torch.equal(a, b) for a, b in zip(live, s.seq.cache.state()))
+    assert reading["threads"] == [extents.READ_THREADS]
+    assert len(reading["asked"]) == len(files)
+    assert len(every_read_direct) >= len(files)
+
+
+def test_a_warm_restore_reads_plainly_on_as_many_helpers_as_cores(tmp_path, model, reference, every_read_direct,
+                                                                  reading):
+    """Files in the page cache: the CPU's work, asked about once (the first layer file), no direct read."""
+    store, _, live, files = evicted_session(tmp_path, model, reference)
+    for f in files:
+        f.read_bytes()  # back in the page cache
+    with store.open("s", model) as s:
+        assert all(torch.equal(a, b) for a, b in zip(live, s.seq.cache.state()))
+    assert reading["threads"] == [min(extents.CORES, extents.READ_THREADS)]
+    assert reading["asked"] == [] and every_read_direct == []
+
+
+def test_layers_out_of_the_page_cache_behind_a_cached_first_one_still_restore_exactly(tmp_path, model, reference,
+                                                                                    every_read_direct):
+    """The question is asked of the first layer file only; the others, evicted, are read plainly
+    (from the disk through the page cache), every checksum verified."""
+    store, trace, live, files = evicted_session(tmp_path, model, reference)
+    files[0].read_bytes()
+    with store.open("s", model) as s:
+        assert every_read_direct == []
         assert all(torch.equal(a, b) for a, b in zip(live, s.seq.cache.state()))
         list(s.generate(N_NEW - N_NEW // 3, trace=trace, stop_at_eos=False))
         H.assert_matches(reference, s.tokens, H.read_trace(trace))

@@ -10,6 +10,7 @@ readers that do not hold the lock of the extent's owner, which a pack may overta
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from sqlalchemy import Connection, bindparam, select
 from sqlalchemy.orm import Session as DB
 
 from ..errors import CorruptData
-from ..fileio import close_all
+from ..fileio import close_all, io
 from . import blobs, codec, segments
 from .index import BlobRow, ExtentBlobRow, ExtentRow, SegmentRow, SessionExtentRow
 from .workers import parallel_map
@@ -105,19 +106,24 @@ def read_layers_unlocked(store, ref: ExtentRef, itemsize: int, *, session: str) 
         return read_layers(replace(ref, blob=blob), store.home, itemsize, session=session)
 
 
-# helpers reading the layers of a run: more than the 2 cores of the machines measured, because a
-# cold restore waits on the disk: 4 read a 8,191-token session (188 MB) from disk in 99-114 ms
-# where 2 took 122-129 (p10 of 20, two runs; AMD EPYC Zen 5, 2 cores, load 9-10); warm (from the
-# page cache) 2, 3 and 4 helpers were equal within the noise
+# helpers reading the layers of a run from the disk: more than the 2 cores of the machines measured,
+# because a cold restore waits on the disk: 4 read a 8,191-token session (188 MB) from disk in
+# 99-114 ms where 2 took 122-129 (p10 of 20, two runs; AMD EPYC Zen 5, 2 cores, load 9-10); a
+# cold 2k open 27.8 ms with 4, 30.6 with 2 (median of 12 alternated; Intel Xeon with AMX, KVM)
 READ_THREADS = 4
+# from the page cache a read is the CPU's work, and helpers beyond the cores only wait for the GIL
+# between their calls: a warm 2k open (47 MB) took 6.0 ms with 2 helpers, 7.3 with 4 (median of 40
+# alternated; Intel Xeon with AMX, 2 cores); on AMD EPYC Zen 5, 2, 3 and 4 were equal in the noise
+CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def load_into(cache, refs: list[ExtentRef], home: Path, *, session: str) -> None:
     """Append every referenced extent to `cache` (empty on entry), checksums verified.
 
     On a CPU cache, runs of whole extents, raw or packed, are read or inflated straight into the
-    cache's memory, one task per layer over the whole run (READ_THREADS helpers take the layers as
-    they come free); partial ones (a fork's last) and CUDA caches go through a buffer. A paged cache
+    cache's memory, one task per layer over the whole run (helpers take the layers as they come
+    free: READ_THREADS where the files are read from the disk, one per core where the page cache
+    holds them); partial ones (a fork's last) and CUDA caches go through a buffer. A paged cache
     (`engine.paged`) first takes the leading extents that other sequences of its pool hold in memory
     as read (shared blocks: those bytes were verified when they were read), and remembers what it
     read for the next ones.
@@ -180,27 +186,54 @@ def _fill(dest: list[np.ndarray], itemsize: int, run: list[ExtentRef], home: Pat
     first = run[0].start
     payload_bytes = max((ref.blob.frames[i][1] for ref in run if ref.blob is not None
                          for i in range(len(ref.blob.frames))), default=0)
+    packed = [ref for ref in run if ref.blob is not None]
+    by_segment: dict[str, list[ExtentRef]] = {}  # raw extents per segment: one open of each layer file
+    for ref in run:
+        if ref.blob is None:
+            by_segment.setdefault(ref.segment_id, []).append(ref)
+    # each segment's layer paths made once here, not per layer in the tasks: Python in the tasks
+    # holds the GIL the other readers wait for (a warm 2k open: 8.4 ms with 4 helpers, 6.3 without it)
+    raw = [(segments.layer_paths(home / "sessions" / segment, len(dest)), refs) for segment, refs in by_segment.items()]
+
+    def target(layer: int, ref: ExtentRef) -> np.ndarray:  # the extent's share of the layer's bytes (a view)
+        a = (ref.start - first) * ref.token_bytes
+        return dest[layer][a:a + ref.n_tokens * ref.token_bytes]
 
     def one(layer: int) -> None:
-        raw: dict[str, list[segments.ExtentRead]] = {}  # per segment: one open of its layer file
         payload = blobs.PAYLOADS.borrow(payload_bytes) if payload_bytes else None
         try:
-            for ref in run:
-                a = (ref.start - first) * ref.token_bytes
-                target = dest[layer][a:a + ref.n_tokens * ref.token_bytes]  # a view
-                what = f"session {session!r}, extent {ref.extent_id}, layer {layer}"
-                if ref.blob is None:
-                    raw.setdefault(ref.segment_id, []).append(segments.ExtentRead(ref.offset, target, what,
-                                                                                  ref.checksums[layer]))
-                    continue
-                what += f" (blob {blobs.blob_path(Path('blobs'), ref.blob.hash).as_posix()})"
+            for ref in packed:
+                what = (f"session {session!r}, extent {ref.extent_id}, layer {layer} "
+                        f"(blob {blobs.blob_path(Path('blobs'), ref.blob.hash).as_posix()})")
                 data = blobs.read_payload(blob_files[ref.blob.hash], ref.blob.frames, layer, payload, what=what)
-                codec.unpack_frame(data, ref.raw_size, itemsize, ref.token_bytes, what=what, out=target)
-                segments.verify(target, ref.checksums[layer], what=what)
+                out = target(layer, ref)
+                codec.unpack_frame(data, ref.raw_size, itemsize, ref.token_bytes, what=what, out=out)
+                segments.verify(out, ref.checksums[layer], what=what)
         finally:
             if payload is not None:
                 blobs.PAYLOADS.give(payload)
-        for segment, reads in raw.items():  # each verified as soon as it is read
-            segments.read_extents_into(home / "sessions" / segment, layer, reads)
+        for paths, refs in raw:  # each verified as soon as it is read
+            segments.read_extents_into(paths[layer], [
+                segments.ExtentRead(ref.offset, target(layer, ref), f"session {session!r}, extent {ref.extent_id}, "
+                                    f"layer {layer}", ref.checksums[layer]) for ref in refs], cached=cached)
 
-    parallel_map(one, list(range(len(dest))), threads=READ_THREADS)
+    cached = not packed and all(_cached(paths[0], refs) for paths, refs in raw)
+    parallel_map(one, list(range(len(dest))), threads=min(CORES, READ_THREADS) if cached else READ_THREADS)
+
+
+def _cached(path: Path, refs: list[ExtentRef]) -> bool:
+    """Whether the page cache is known to hold all that `refs` take of one layer file (the first: a
+    checkpoint writes every layer's share at once, and a warm open reads them all): then the tasks
+    read every layer plainly, without asking the system again per layer (30 asks took 0.8 ms of a
+    warm 2k open's 4.7 ms of reading on 2 helpers). False when the file cannot be opened (the
+    reading task reports that)."""
+    start = min(ref.offset for ref in refs)
+    end = max(ref.offset + ref.n_tokens * ref.token_bytes for ref in refs)
+    try:
+        fd = io.open_read(path)
+    except OSError:
+        return False
+    try:
+        return io.in_page_cache(fd, start, end - start)
+    finally:
+        io.close(fd)

@@ -248,17 +248,18 @@ def read_extent(directory: Path, layer: int, offset: int, nbytes: int, *, what: 
     """The raw bytes of one layer of an extent, checked against `checksum` when given; CorruptData
     if the file is missing or short, or the bytes are not what was written."""
     data = np.empty(nbytes, dtype=np.uint8)
-    read_extents_into(directory, layer, [ExtentRead(offset, data, what, checksum)])
+    read_extents_into(layer_path(directory, layer), [ExtentRead(offset, data, what, checksum)])
     return data
 
 
-def read_extents_into(directory: Path, layer: int, reads: list[ExtentRead]) -> None:
-    """Fill each read's `data` from one layer file, opened once (reads that follow each other in
-    the file in one call), and check each one's checksum. CorruptData names the extent and the file
-    when the file is missing, short or truncated, or the bytes are not what was written. When the
-    page cache lacks part of what the reads cover, they come straight from the disk
-    (`fileio.PosixIO.pread_direct_into`)."""
-    path = layer_path(directory, layer)
+def read_extents_into(path: Path, reads: list[ExtentRead], *, cached: bool = False) -> None:
+    """Fill each read's `data` from one layer file (`layer_path`'s), opened once (reads that follow
+    each other in the file in one call), and check each one's checksum. CorruptData names the
+    extent and the file when the file is missing, short or truncated, or the bytes are not what was
+    written. When the page cache lacks part of what the reads cover, they come straight from the
+    disk (`fileio.PosixIO.pread_direct_into`); `cached`: the caller found them in the page cache
+    just before, so plain reads without asking again. A restore calls this once per layer on its
+    reading threads, so it does little besides the calls that release the GIL."""
     try:
         fd = io.open_read(path)
     except FileNotFoundError:
@@ -267,8 +268,8 @@ def read_extents_into(directory: Path, layer: int, reads: list[ExtentRead]) -> N
     try:
         size = io.size(fd)
         start = min(r.offset for r in reads)
-        read = io.pread_direct_into if io.uncached(fd, start, max(r.offset + r.data.nbytes for r in reads) - start) \
-            else io.pread_into
+        uncached = not cached and io.uncached(fd, start, max(r.offset + r.data.nbytes for r in reads) - start)
+        read = io.pread_direct_into if uncached else io.pread_into
         for run in _adjacent(reads):  # one read for extents that follow each other in the file
             end = run[-1].offset + run[-1].data.nbytes
             if size < end:
@@ -279,7 +280,7 @@ def read_extents_into(directory: Path, layer: int, reads: list[ExtentRead]) -> N
                 raise CorruptData(f"{run[0].what}: short read from {path.name}")
             for r in run:
                 if r.checksum is not None and codec.checksum(r.data) != r.checksum:  # the message only when needed
-                    verify(r.data, r.checksum, what=f"{r.what} ({directory.name}/{path.name})")
+                    verify(r.data, r.checksum, what=f"{r.what} ({path.parent.name}/{path.name})")
     finally:
         io.close(fd)
 

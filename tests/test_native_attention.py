@@ -182,18 +182,20 @@ def test_bits_do_not_depend_on_block_size_pool_size_or_where_blocks_sit():
 
 
 def test_bits_do_not_depend_on_the_thread_count():
+    """Nor on how a long row's partitions are cut into units: 5,000 positions (20 partitions) go in
+    runs of 5 on one thread, of 2 on two, one by one on three."""
     seqs = sequences([5000, 300])
     pool, tables = paged(seqs, block=64, shuffle=5)
     q, seq, lens = queries(3, seed=4), [0, 1, 0], [5000, 300, 4097]
     before = torch.get_num_threads()
     try:
-        torch.set_num_threads(1)
-        one = run(q, pool, tables, seq, lens)
-        torch.set_num_threads(2)
-        two = run(q, pool, tables, seq, lens)
+        outs = []
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            outs.append(run(q, pool, tables, seq, lens))
     finally:
         torch.set_num_threads(before)
-    assert torch.equal(one, two)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
 def test_prefill_in_one_call_in_chunks_or_by_positions_is_the_same():

@@ -104,11 +104,12 @@ inline void read_in_order(const uint16_t* rows, int64_t elements) {
 // group prefetched at once (which had been 0.89-0.96x no prefetch on AMD EPYC Zen 4); two or three
 // groups ahead was slower. No result depends on it.
 // On Intel CPUs the lines go to L2 (prefetcht1; not measured why, a guess: the core's fill buffers,
-// which a fetch into L1 holds until the line arrives, are then free sooner). Alternated in one process (Intel Xeon with AMX, 2 threads), one decode row over every
-// layer's cache from memory took 0.95x the time at 8,160 positions (11.1 against 11.7 ms), 0.93x at
-// 2,048 and 0.98x at 1,024; a batched step of 8 sessions 0.99x at 512 positions and 0.97x at 2,048,
-// of 16 at 512 0.98x. prefetcht2 was as fast as prefetcht1, two groups ahead no faster. Elsewhere
-// into L1 as measured above (L2 not measured on AMD).
+// which a fetch into L1 holds until the line arrives, are then free sooner). Alternated in one
+// process (Intel Xeon with AMX, 2 threads), one decode row over every layer's cache from memory took
+// 0.95x the time at 8,160 positions (11.1 against 11.7 ms), 0.93x at 2,048 and 0.98x at 1,024; a
+// batched step of 8 sessions 0.99x at 512 positions and 0.97x at 2,048, of 16 at 512 0.98x.
+// prefetcht2 was as fast as prefetcht1, two groups ahead no faster. Elsewhere into L1 as measured
+// above (L2 not measured on AMD).
 constexpr int64_t kPrefetchSlots = 4;
 
 // Sets w to prefetch the rows from..from+bytes over the n_kv KV heads' steps of one group (bytes 0:
@@ -120,13 +121,14 @@ inline void prefetch_ahead(Work& w, const uint16_t* from, int64_t bytes, int64_t
 }
 
 // One of the slots: the next few lines of what prefetch_ahead set
+template <decltype(_MM_HINT_T0) hint>  // GCC: enum _mm_hint; elsewhere an int
+inline void prefetch_lines(Work& w) {
+  for (int64_t n = w.ahead_lines; n > 0 && w.ahead < w.ahead_end; n--, w.ahead += 64) _mm_prefetch(w.ahead, hint);
+}
 inline void prefetch_some(Work& w) {
-  static const bool to_l2 = intel_cpu();
-  if (to_l2) {
-    for (int64_t n = w.ahead_lines; n > 0 && w.ahead < w.ahead_end; n--, w.ahead += 64) _mm_prefetch(w.ahead, _MM_HINT_T1);
-    return;
-  }
-  for (int64_t n = w.ahead_lines; n > 0 && w.ahead < w.ahead_end; n--, w.ahead += 64) _mm_prefetch(w.ahead, _MM_HINT_T0);
+  static const bool to_l2 = intel_cpu();  // see above
+  if (to_l2) return prefetch_lines<_MM_HINT_T1>(w);
+  prefetch_lines<_MM_HINT_T0>(w);
 }
 
 // the output of a folded record: acc / l, rounded to bfloat16

@@ -74,6 +74,18 @@ constexpr int64_t kAmxTile = 16;  // activation rows per AMX tile (a tile regist
 // 120 layer products (Intel Xeon with AMX, 2 threads), AMX's time over AVX512-VNNI's: 16 rows 1.02-1.15x,
 // 32 1.06x, 48 0.98x, 64 0.94x, 128 0.87x, 512 0.80x. Prefill chunks reach it; batches of sessions rarely.
 constexpr int64_t kAmxRows = 48;
+// Why AMX gains so little here: while a thread's tiles hold data (from its first tile instruction to
+// tilerelease), the core runs slower. On the Intel Xeon with AMX (KVM guest, 2 vCPUs), a loop of 96
+// independent 512-bit multiplies took 2.1x its time with one tilezero every 16 loops, and a chain of
+// dependent imuls 1.55x (the clock: about 3.9 -> 2.5 GHz); the clock was back within about 15 us of
+// tilerelease. So the float steps after each tdpbsud (six vector operations per row and block, in the
+// contract's order) run at about half rate: in a 512-row product by gate_up they took 0.59 ms with no
+// tile in use, the tile instructions 0.67 ms without the float steps, and both together 1.68 ms (plus
+// 0.44 ms quantizing and storing). Tried and dropped, each alternated in one process against this
+// path, with the same bits: the sums made 1 or 2 blocks ahead into a ring of 4 buffers (1.10-1.15x
+// the time); the sums of 8 or 32 activation tiles made first, the tiles released, then their float
+// steps at the full clock (1.65x and 1.76x; not taken apart further: a phase lasts 2-7 us, about as
+// long as the clock took to return, and its sums are read back from the L2 rather than the L1).
 
 constexpr int64_t quant_bytes(int64_t kind) { return kind == Q8_0 ? 512 : 256; }
 constexpr int64_t record_bytes(int64_t kind) { return quant_bytes(kind) + 32 + (kind == Q4_1 ? 32 : 0); }
@@ -647,11 +659,14 @@ at::Tensor qgemm(const at::Tensor& w_any, int64_t kind, int64_t rows, int64_t co
   uint8_t* A = act.data_ptr<uint8_t>();
   if (T % L.rows) std::memset(A + (tiles - 1) * tile_bytes, 0, tile_bytes);
   const bool bf16 = x.scalar_type() == at::kBFloat16;
+  // the tensors' memory, taken once: data_ptr<T>() checks the type at every call, and the loops below
+  // run per row and per row group (a decode step's products: 10,000 row groups)
+  const void* const x_data = x.data_ptr();
   at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; t++) {
       uint8_t* tile = A + (t / L.rows) * tile_bytes;
-      if (bf16) quantize_row(x.data_ptr<c10::BFloat16>() + t * cols, cols, kind, tile, t % L.rows, L);
-      else quantize_row(x.data_ptr<float>() + t * cols, cols, kind, tile, t % L.rows, L);
+      if (bf16) quantize_row(static_cast<const c10::BFloat16*>(x_data) + t * cols, cols, kind, tile, t % L.rows, L);
+      else quantize_row(static_cast<const float*>(x_data) + t * cols, cols, kind, tile, t % L.rows, L);
     }
   });
 
@@ -667,6 +682,8 @@ at::Tensor qgemm(const at::Tensor& w_any, int64_t kind, int64_t rows, int64_t co
     b_all = b_memory.data_ptr<uint8_t>() + (64 - reinterpret_cast<uintptr_t>(b_memory.data_ptr()) % 64) % 64;
   }
   const bool few_rows_ahead = prefetch_few_rows();
+  void* const y_data = y.data_ptr();
+  const void* const add_data = add.defined() ? add.data_ptr() : nullptr;
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
     float out[kAmxTile * kLanes];
     uint8_t* b_mine = b_bytes ? b_all + at::get_thread_num() * b_bytes : nullptr;
@@ -698,11 +715,11 @@ at::Tensor qgemm(const at::Tensor& w_any, int64_t kind, int64_t rows, int64_t co
         for (int i = 0; i < n; i++) {
           const int64_t t = t0 + i, at = (add_per_row ? t * rows : 0) + r0;
           if (bf16)
-            store_group(out + kLanes * i, add.defined() ? add.data_ptr<c10::BFloat16>() + at : nullptr,
-                        y.data_ptr<c10::BFloat16>() + t * rows + r0, live);
+            store_group(out + kLanes * i, add_data ? static_cast<const c10::BFloat16*>(add_data) + at : nullptr,
+                        static_cast<c10::BFloat16*>(y_data) + t * rows + r0, live);
           else
-            store_group(out + kLanes * i, add.defined() ? add.data_ptr<float>() + at : nullptr,
-                        y.data_ptr<float>() + t * rows + r0, live);
+            store_group(out + kLanes * i, add_data ? static_cast<const float*>(add_data) + at : nullptr,
+                        static_cast<float*>(y_data) + t * rows + r0, live);
         }
       }
     }
@@ -726,6 +743,7 @@ at::Tensor qembed(const at::Tensor& w_any, int64_t kind, int64_t rows, int64_t c
   for (int64_t i = 0; i < n; i++) KV_CHECK(I[i] >= 0 && I[i] < rows, "qembed: row ", I[i], " is not in [0, ", rows, ")");
   at::Tensor y = at::empty({n, cols}, w.options().dtype(dtype));
   const uint8_t* W = w.data_ptr<uint8_t>();
+  void* const y_data = y.data_ptr();  // once (data_ptr<T>() checks the type at every call)
   for (int64_t i = 0; i < n; i++) {
     const int64_t g = I[i] / kLanes, lane = I[i] % kLanes;
     for (int64_t b = 0; b < nb; b++) {
@@ -744,8 +762,8 @@ at::Tensor qembed(const at::Tensor& w_any, int64_t kind, int64_t rows, int64_t c
         }
       }
       for (int64_t e = 0; e < kBlock; e++) {
-        if (dtype == at::kBFloat16) y.data_ptr<c10::BFloat16>()[i * cols + b * kBlock + e] = c10::BFloat16(v[e]);
-        else y.data_ptr<float>()[i * cols + b * kBlock + e] = v[e];
+        if (dtype == at::kBFloat16) static_cast<c10::BFloat16*>(y_data)[i * cols + b * kBlock + e] = c10::BFloat16(v[e]);
+        else static_cast<float*>(y_data)[i * cols + b * kBlock + e] = v[e];
       }
     }
   }

@@ -5,6 +5,8 @@
   the kernel's header states) bit for bit, on every instruction path this CPU has (AVX2, AVX-VNNI,
   AVX512-VNNI), in bfloat16 and float32, for any number of rows, with a bias or a residual added.
 - A row's bits do not depend on the other rows (1 row alone or among 16) nor on the thread count.
+- A block of activations holding NaN or an infinity makes its row's products NaN on every path, with
+  the same bits; a block of subnormals alone quantizes to zeros.
 - A model on stored weights is close to the same model on dequantized weights, and computes the same
   bits with the native kernel as with the reference (float32: every other op is torch's in both).
 """
@@ -126,6 +128,42 @@ def test_the_largest_products_sum_exactly_on_every_path(kind):
                            torch.full((2,), {"Q4_0": 7.0, "Q4_1": 15.0, "Q8_0": 128.0}[kind] * 256).to(dtype).float())
         for isa in paths():
             assert torch.equal(kernel(w, x.to(dtype), None, isa), expected), isa
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's bits as integers (NaN equals NaN of the same bits)."""
+    return t.view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32)
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
+def test_nonfinite_activations_make_their_rows_nan_with_the_same_bits_on_every_path(kind, dtype):
+    """A block holding NaN or an infinity makes every product of its row NaN, as the reference's, with
+    the same bits on every path (each quantizes it the same way: AVX2 for the AVX2 and AVX-VNNI paths,
+    AVX512 for the AVX512-VNNI and AMX ones; a NaN's own bits are not the reference's: torch writes
+    NaN into bfloat16 its own way); subnormals, signed zeros and huge finite values are ordinary
+    blocks, a block of subnormals alone quantizing to zeros."""
+    w = quant.pack(random_blocks(kind, 16, 256, seed=3))
+    x = rows_of(9, 256, torch.float32, seed=4)
+    tiny = torch.finfo(torch.float32).tiny
+    nan, inf = float("nan"), float("inf")
+    for row, (at, value) in enumerate([(0, nan), (8, nan), (31, nan), (3, inf), (17, -inf)]):
+        x[row, 32 * row + at] = value
+    x[5, 64:96] = nan  # a block of NaN alone
+    x[6, 0], x[6, 40], x[6, 100] = tiny / 4, -0.0, 1e30
+    x[7, 64:96] = tiny / 8  # a block of subnormals alone
+    x = x.to(dtype)
+    expected = quant_reference.qgemm(w, x)
+    nan = expected.isnan()
+    assert nan[:6].all() and not nan[6:].any()
+    first = kernel(w, x, None, paths()[0])
+    for isa in paths():
+        got = kernel(w, x, None, isa)
+        assert torch.equal(bits(got), bits(first)), isa  # NaN's bits too
+        assert torch.equal(got.isnan(), nan) and torch.equal(got[~nan], expected[~nan]), isa
+    x16 = torch.cat([x] * 2)[:16]  # AMX takes a full tile where the CPU has it
+    assert torch.equal(bits(kernel(w, x16, None, -1)), bits(torch.cat([first] * 2)[:16]))
 
 
 @needs_kernel

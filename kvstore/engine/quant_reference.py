@@ -18,14 +18,19 @@ ROWS_AT_ONCE = 64  # activation rows per slice: bounds the [T, rows, n_blocks] b
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """x `[T, cols]` -> (p `[T, nb, 32]` integer-valued float32, dx `[T, nb]`, s `[T, nb]`, sx `[T, nb]`):
-    dx = amax / 127, p = round-half-even(x * (1 / dx)) (0 where dx is 0), s = sum p, sx = dx * s."""
+    dx = amax / 127, p = round-half-even(x * (1 / dx)) (0 where dx is 0 or subnormal), s = sum p, sx = dx * s; a
+    block holding NaN or an infinity gets p = 0, s = 0 and dx = sx = NaN."""
     T, cols = x.shape
     blocks = x.float().reshape(T, cols // BLOCK, BLOCK)
+    finite = torch.isfinite(blocks).all(dim=-1)  # [T, nb]
+    blocks = torch.where(finite[..., None], blocks, torch.zeros_like(blocks))
     amax = blocks.abs().amax(dim=-1)
     dx = amax / torch.full_like(amax, 127.0)  # tensor / tensor: a true division, never a reciprocal product
-    inv = torch.where(dx != 0, torch.ones_like(dx) / dx, torch.zeros_like(dx))
+    normal = dx >= torch.finfo(torch.float32).tiny  # a subnormal dx's reciprocal would overflow: p = 0
+    inv = torch.where(normal, torch.ones_like(dx) / dx, torch.zeros_like(dx))
     p = torch.round(blocks * inv[..., None])
     s = p.sum(dim=-1)
+    dx = torch.where(finite, dx, torch.full_like(dx, float("nan")))
     return p, dx, s, dx * s
 
 

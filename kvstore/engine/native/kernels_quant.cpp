@@ -8,7 +8,9 @@
 //
 // The arithmetic, which quant_reference.py restates in torch op for op (the tests hold them equal):
 // - Activation block b of row t (32 values, float32): amax = max |x|, dx = amax / 127,
-//   id = dx ? 1 / dx : 0, p = round-half-even(x * id) (int8), s = sum p, sx = dx * float(s).
+//   id = 1 / dx where dx is normal, else 0 (a subnormal dx's reciprocal would overflow: its p are 0),
+//   p = round-half-even(x * id) (int8), s = sum p, sx = dx * float(s). A block holding NaN or an
+//   infinity: p = 0, s = 0, dx = sx = NaN (the row's products come out NaN).
 // - Weight block b of row r: q (Q4: 0..15, Q8_0: -128..127), dw (fp16), mw (Q4_1's fp16 minimum).
 //   isum = sum q p (exact), minus 8 s for Q4_0 (q - 8 is the value); float32 from there on:
 //   acc += float(isum) * (dw * dx), then for Q4_1 acc += mw * sx; blocks in order, one accumulator
@@ -56,6 +58,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <optional>
 #include <string>
 #include <type_traits>
@@ -66,6 +69,8 @@ namespace {
 constexpr int64_t kLanes = 16;  // weight rows per group: one int32 lane each
 constexpr int64_t kBlock = 32;  // elements per quant block
 constexpr int64_t kTile = 8;    // activation rows computed together (each weight record unpacked once)
+constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
+constexpr float kSmallest = std::numeric_limits<float>::min();  // the smallest normal float32
 
 enum Kind : int64_t { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2 };
 enum Isa : int64_t { AVX2 = 0, AVX_VNNI = 1, AVX512_VNNI = 2, AMX_INT8 = 3 };
@@ -210,25 +215,51 @@ KV_AVX2 inline __m256 load8(const c10::BFloat16* x) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
+// row t's dx, sx and integer offset in a block's record, from the block's d and the sum of its quants
+inline void put_scales(uint8_t* rec, int64_t t, const ActLayout& L, int64_t kind, float d, int32_t total) {
+  const float dx = d, sx = d * float(total);
+  const int32_t off = kind == Q8_0 ? -128 * total : kind == Q4_0 ? -8 * total : 0;
+  std::memcpy(rec + L.dx() + 4 * t, &dx, 4);
+  std::memcpy(rec + L.sx() + 4 * t, &sx, 4);
+  std::memcpy(rec + L.off() + 4 * t, &off, 4);
+}
+
+// A block that holds NaN or an infinity: quants 0, dx = sx = NaN, so each of the row's products is NaN
+// (as the reference's are), with the same bits on every path. (Quantized as a finite block, its NaN
+// would go unseen and the integer paths would disagree on what an infinity became.)
+inline void put_nonfinite(uint8_t* rec, int64_t t, const ActLayout& L) {
+  std::memset(rec + t * kBlock, 0, kBlock);
+  std::memcpy(rec + L.dx() + 4 * t, &kNaN, 4);
+  std::memcpy(rec + L.sx() + 4 * t, &kNaN, 4);
+  std::memset(rec + L.off() + 4 * t, 0, 4);
+}
+
 // one row of `cols` values -> its quantized blocks, as row `t` of the tile at `tile` laid out as L
 // says (the arithmetic of the header, exactly)
 template <typename T>
 KV_AVX2 void quantize_row(const T* x, int64_t cols, int64_t kind, uint8_t* tile, int64_t t, const ActLayout& L) {
   const __m256 sign = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  const __m256 inf = _mm256_set1_ps(std::numeric_limits<float>::infinity());
   for (int64_t b = 0; b < cols / kBlock; b++) {
     uint8_t* rec = tile + b * L.record();
     __m256 v[4];
-    __m256 amax = _mm256_setzero_ps();
+    __m256 amax = _mm256_setzero_ps(), nonfinite = _mm256_setzero_ps();
     for (int j = 0; j < 4; j++) {
       v[j] = load8(x + b * kBlock + 8 * j);
-      amax = _mm256_max_ps(amax, _mm256_and_ps(v[j], sign));
+      const __m256 a = _mm256_and_ps(v[j], sign);
+      amax = _mm256_max_ps(amax, a);
+      nonfinite = _mm256_or_ps(nonfinite, _mm256_cmp_ps(a, inf, _CMP_NLT_UQ));  // NaN or infinite
+    }
+    if (_mm256_movemask_ps(nonfinite)) {
+      put_nonfinite(rec, t, L);
+      continue;
     }
     float lanes[8];
     _mm256_storeu_ps(lanes, amax);
     float m = 0.0f;
     for (float l : lanes) m = l > m ? l : m;  // a max: exact in any order
     const float d = m / 127.0f;
-    const float id = d != 0.0f ? 1.0f / d : 0.0f;
+    const float id = d >= kSmallest ? 1.0f / d : 0.0f;
     const __m256 scale = _mm256_set1_ps(id);
     __m256i q[4];
     for (int j = 0; j < 4; j++) q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], scale));  // round half even
@@ -242,11 +273,40 @@ KV_AVX2 void quantize_row(const T* x, int64_t cols, int64_t kind, uint8_t* tile,
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(parts), sum4);
     int32_t total = 0;
     for (int32_t v8 : parts) total += v8;
-    const float dx = d, sx = d * float(total);
-    const int32_t off = kind == Q8_0 ? -128 * total : kind == Q4_0 ? -8 * total : 0;
-    std::memcpy(rec + L.dx() + 4 * t, &dx, 4);
-    std::memcpy(rec + L.sx() + 4 * t, &sx, 4);
-    std::memcpy(rec + L.off() + 4 * t, &off, 4);
+    put_scales(rec, t, L, kind, d, total);
+  }
+}
+
+// quantize_row on AVX512 (F, BW): a block's 32 values in two 16-lane vectors; the same arithmetic,
+// so the same bytes (the max and the integer sum are exact in any order). A layer's four products
+// took 0.97-0.98x the time of the AVX2 quantizer's at 512 rows, 0.95x at 16 (alternated in one
+// process; Intel Xeon with AMX, 2 threads).
+KV_AVX512_VNNI inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
+KV_AVX512_VNNI inline __m512 load16(const c10::BFloat16* x) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+template <typename T>
+KV_AVX512_VNNI void quantize_row_avx512(const T* x, int64_t cols, int64_t kind, uint8_t* tile, int64_t t,
+                                        const ActLayout& L) {
+  const __m512 inf = _mm512_set1_ps(std::numeric_limits<float>::infinity());
+  for (int64_t b = 0; b < cols / kBlock; b++) {
+    uint8_t* rec = tile + b * L.record();
+    const __m512 v0 = load16(x + b * kBlock), v1 = load16(x + b * kBlock + 16);
+    const __m512 a0 = _mm512_abs_ps(v0), a1 = _mm512_abs_ps(v1);
+    if (_mm512_cmp_ps_mask(a0, inf, _CMP_NLT_UQ) | _mm512_cmp_ps_mask(a1, inf, _CMP_NLT_UQ)) {
+      put_nonfinite(rec, t, L);
+      continue;
+    }
+    const float m = _mm512_reduce_max_ps(_mm512_max_ps(a0, a1));
+    const float d = m / 127.0f;
+    const float id = d >= kSmallest ? 1.0f / d : 0.0f;
+    const __m512 scale = _mm512_set1_ps(id);
+    const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, scale)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, scale));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(rec + t * kBlock), _mm512_cvtsepi32_epi8(q0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(rec + t * kBlock + 16), _mm512_cvtsepi32_epi8(q1));
+    put_scales(rec, t, L, kind, d, _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
   }
 }
 
@@ -662,10 +722,13 @@ at::Tensor qgemm(const at::Tensor& w_any, int64_t kind, int64_t rows, int64_t co
   // the tensors' memory, taken once: data_ptr<T>() checks the type at every call, and the loops below
   // run per row and per row group (a decode step's products: 10,000 row groups)
   const void* const x_data = x.data_ptr();
+  const bool wide = isa >= AVX512_VNNI;  // the AVX512 and AMX paths quantize on AVX512 (the same bytes)
   at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; t++) {
       uint8_t* tile = A + (t / L.rows) * tile_bytes;
-      if (bf16) quantize_row(static_cast<const c10::BFloat16*>(x_data) + t * cols, cols, kind, tile, t % L.rows, L);
+      if (wide && bf16) quantize_row_avx512(static_cast<const c10::BFloat16*>(x_data) + t * cols, cols, kind, tile, t % L.rows, L);
+      else if (wide) quantize_row_avx512(static_cast<const float*>(x_data) + t * cols, cols, kind, tile, t % L.rows, L);
+      else if (bf16) quantize_row(static_cast<const c10::BFloat16*>(x_data) + t * cols, cols, kind, tile, t % L.rows, L);
       else quantize_row(static_cast<const float*>(x_data) + t * cols, cols, kind, tile, t % L.rows, L);
     }
   });

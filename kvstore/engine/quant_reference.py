@@ -26,7 +26,7 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
     blocks = torch.where(finite[..., None], blocks, torch.zeros_like(blocks))
     amax = blocks.abs().amax(dim=-1)
     dx = amax / torch.full_like(amax, 127.0)  # tensor / tensor: a true division, never a reciprocal product
-    normal = dx >= torch.finfo(torch.float32).tiny  # a subnormal dx's reciprocal would overflow: p = 0
+    normal = dx >= torch.finfo(torch.float32).tiny  # a subnormal dx's reciprocal can overflow: p = 0
     inv = torch.where(normal, torch.ones_like(dx) / dx, torch.zeros_like(dx))
     p = torch.round(blocks * inv[..., None])
     s = p.sum(dim=-1)

@@ -8,7 +8,7 @@
 //
 // The arithmetic, which quant_reference.py restates in torch op for op (the tests hold them equal):
 // - Activation block b of row t (32 values, float32): amax = max |x|, dx = amax / 127,
-//   id = 1 / dx where dx is normal, else 0 (a subnormal dx's reciprocal would overflow: its p are 0),
+//   id = 1 / dx where dx is normal, else 0 (a subnormal dx's reciprocal can overflow: its p are 0),
 //   p = round-half-even(x * id) (int8), s = sum p, sx = dx * float(s). A block holding NaN or an
 //   infinity: p = 0, s = 0, dx = sx = NaN (the row's products come out NaN).
 // - Weight block b of row r: q (Q4: 0..15, Q8_0: -128..127), dw (fp16), mw (Q4_1's fp16 minimum).

@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     from . import llama_peer
-    from .__main__ import load_kvstore
+    from .__main__ import git_commit, load_kvstore
     from .engine import HF
 
     cfg = dict(QUICK if args.quick else FULL)
@@ -177,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     ids = text_ids(first.tokenizer, args.tokens or cfg["tokens"])
     out = run(models, ids, args.window or cfg["window"] or first.config.max_context, llama, hf32,
               log=lambda m: print(m, file=sys.stderr))
+    out["commit"] = git_commit()  # a run that publishes these figures beside its own says whether they match
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "quality.json").write_text(json.dumps(out, indent=1) + "\n")
     from . import report

@@ -193,6 +193,16 @@ def instruction_sets(m: dict) -> str:
     return ", ".join(have or ["none of them"]) + (f"; not: {', '.join(lack)}" if lack else "")
 
 
+def measured_at(r: dict, phase: str) -> str:
+    """Where a phase measured by its own command says the commit it ran at: "at the same commit" only
+    when it is this run's (a phase's figures carried over from an older run must not pass for this
+    run's: the kvstore bits may have changed since)."""
+    commit, ours = r.get(phase, {}).get("commit"), r["versions"].get("kvstore")
+    if commit is None:
+        return "at a commit it did not record"
+    return "at the same commit" if commit == ours else f"at commit {commit} (this run: {ours})"
+
+
 def header(r: dict) -> list[str]:
     m, v, s = r["machine"], r["versions"], r["settings"]
     load = r["load"]
@@ -206,7 +216,8 @@ def header(r: dict) -> list[str]:
         "kvstore and its peers measured alternately (A B A B) in one process, "
         "each figure the median of the repetitions with the spread (min–max) in brackets."
         + (f" Phases left out of this run (`--skip`): {', '.join(r['skipped'])}." if r.get("skipped") else "")
-        + "".join(f" The {phase} phase was measured by `{how}` at the same commit." for phase, how in r.get("separately", {}).items()),
+        + "".join(f" The {phase} phase was measured by `{how}` {measured_at(r, phase)}."
+                  for phase, how in r.get("separately", {}).items()),
         "",
         "## Summary", "", summary_table(r), "",
         "## Machine and versions", "",

@@ -206,8 +206,12 @@ def test_a_run_that_left_phases_out_says_so_and_an_unknown_phase_is_refused(caps
     assert "`python -m benchmarks run --reps 3 --skip scale,serve`" in text
     assert "Phases left out of this run (`--skip`): scale, serve." in text
     assert "measured by" not in text
-    separately = report.markdown(r | {"separately": {"quality": "python -m benchmarks.quality"}})
-    assert "The quality phase was measured by `python -m benchmarks.quality` at the same commit." in separately
+    separately = r | {"separately": {"quality": "python -m benchmarks.quality"}}
+    said = "The quality phase was measured by `python -m benchmarks.quality` "
+    assert said + "at the same commit." in report.markdown(separately | {"quality": r["quality"] | {"commit": "abc1234"}})
+    assert said + "at commit 0ld0001 (this run: abc1234)." in report.markdown(
+        separately | {"quality": r["quality"] | {"commit": "0ld0001"}})
+    assert said + "at a commit it did not record." in report.markdown(separately)
     from benchmarks.__main__ import main
 
     with pytest.raises(SystemExit):

@@ -215,6 +215,10 @@ KV_AVX2 inline __m256 load8(const c10::BFloat16* x) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
+// 1 / d for a block's scale d (= its max |x| / 127), where d is normal; else 0: a subnormal d's
+// reciprocal can overflow, and such a block's quants are all 0 (both quantizers take it from here)
+inline float inverse_scale(float d) { return d >= kSmallest ? 1.0f / d : 0.0f; }
+
 // row t's dx, sx and integer offset in a block's record, from the block's d and the sum of its quants
 inline void put_scales(uint8_t* rec, int64_t t, const ActLayout& L, int64_t kind, float d, int32_t total) {
   const float dx = d, sx = d * float(total);
@@ -259,7 +263,7 @@ KV_AVX2 void quantize_row(const T* x, int64_t cols, int64_t kind, uint8_t* tile,
     float m = 0.0f;
     for (float l : lanes) m = l > m ? l : m;  // a max: exact in any order
     const float d = m / 127.0f;
-    const float id = d >= kSmallest ? 1.0f / d : 0.0f;
+    const float id = inverse_scale(d);
     const __m256 scale = _mm256_set1_ps(id);
     __m256i q[4];
     for (int j = 0; j < 4; j++) q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], scale));  // round half even
@@ -301,7 +305,7 @@ KV_AVX512_VNNI void quantize_row_avx512(const T* x, int64_t cols, int64_t kind, 
     }
     const float m = _mm512_reduce_max_ps(_mm512_max_ps(a0, a1));
     const float d = m / 127.0f;
-    const float id = d >= kSmallest ? 1.0f / d : 0.0f;
+    const float id = inverse_scale(d);
     const __m512 scale = _mm512_set1_ps(id);
     const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, scale)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, scale));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(rec + t * kBlock), _mm512_cvtsepi32_epi8(q0));

@@ -31,9 +31,13 @@ def stored_head(store, name: str) -> tuple[int, int]:
 
 def test_the_decode_goes_on_while_an_automatic_checkpoint_commits(store, model, monkeypatch):
     """The first automatic commit is held on the committing thread until the generation has
-    produced two more tokens: with a commit the decode waited for, those tokens would never come."""
-    held, later_tokens = threading.Event(), threading.Event()
-    real = commit_module.commit
+    produced two more tokens since it handed the checkpoint over: with a commit the decode waited
+    for, those tokens would never come. (Counted from the hand-over, on the generation's own thread,
+    not from the moment the committing thread starts: the next automatic checkpoint, 4 tokens on,
+    waits for this one, and a committing thread that started late must not make that look like a
+    decode that waited.)"""
+    handed, held, later_tokens = threading.Event(), threading.Event(), threading.Event()
+    real, real_later = commit_module.commit, commit_module.commit_later
 
     def slow_commit(store_, session_id, name, head, change):
         if change.reason == "auto" and not held.is_set():
@@ -41,16 +45,23 @@ def test_the_decode_goes_on_while_an_automatic_checkpoint_commits(store, model, 
             assert later_tokens.wait(WAIT_S), "the decode waited for the checkpoint"
         return real(store_, session_id, name, head, change)
 
+    def handing_over(store_, session_id, name, head, change):
+        future = real_later(store_, session_id, name, head, change)
+        if change.reason == "auto":
+            handed.set()
+        return future
+
     monkeypatch.setattr(commit_module, "commit", slow_commit)
+    monkeypatch.setattr("kvstore.session.commit_later", handing_over)
     with store.new("s", model, seed=3, checkpoint_every=4) as s:
         s.append_text(H.DOCUMENT)
-        seen_after_hold = 0
+        seen_after_handover = 0
         for _ in s.generate(12, stop_at_eos=False):
-            if held.is_set():
-                seen_after_hold += 1
-                if seen_after_hold == 2:
+            if handed.is_set():
+                seen_after_handover += 1
+                if seen_after_handover == 2:
                     later_tokens.set()
-        assert held.is_set() and seen_after_hold >= 2
+        assert held.is_set() and seen_after_handover >= 2
     assert stored_head(store, "s")[1] == len(store.tokens("s"))
 
 

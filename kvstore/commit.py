@@ -88,6 +88,7 @@ class Change:
     messages: list[dict[str, Any]] = field(default_factory=list)  # the changed ones (MESSAGE_FIELDS)
     n_reusable: int = 0  # leading positions whose KV is a cold run's (`Sequence.reusable`)
     prefix_keys: list[tuple[int, str]] = field(default_factory=list)  # (boundary, key) new since the head
+    kv_owned: bool = False  # kv holds copies of its own (a paged cache's `state`), not views of the cache
 
 
 def commit(store, session_id: str, name: str, head: Head, change: Change) -> Head:
@@ -134,10 +135,12 @@ def commit_now(store, session_id: str, name: str, head: Head, change: Change) ->
 
 def commit_later(store, session_id: str, name: str, head: Head, change: Change) -> "Future[tuple[Head, float]]":
     """`commit_now` on the committing thread: its future at once. The change's KV rows are copied
-    here first (the cache they are views of may be trimmed and written again meanwhile); the rest of
-    a Change is not changed by its maker. Once the interpreter is shutting down the commit runs here."""
+    here first (the cache they are views of may be trimmed and written again meanwhile), unless they
+    are CPU copies of their own already (`kv_owned`); the rest of a Change is not changed by its
+    maker. Once the interpreter is shutting down the commit runs here."""
     if change.kv is not None:
-        change = replace(change, kv=[t.to("cpu", copy=True) for t in change.kv])
+        change = replace(change, kv=[t if change.kv_owned and t.device.type == "cpu" else t.to("cpu", copy=True)
+                                     for t in change.kv])
     try:
         return serial(COMMITTER).submit(lambda: commit_now(store, session_id, name, head, change).result())
     except RuntimeError:  # no new threads' work at shutdown

@@ -148,7 +148,8 @@ class Session:
                         else None, n_cached, hidden_bytes(self.seq.hidden) if n_cached == len(tokens) > 0 else None,
                         self.active_call and dict(self.active_call), self.settings.to_dict(), self._checkpoint_every,
                         [self.messages[i] for i in dirty_messages], self.seq.reusable,
-                        new_keys(self._prefix_root, tokens, self.chunk_size, head.n_reusable, self.seq.reusable))
+                        new_keys(self._prefix_root, tokens, self.chunk_size, head.n_reusable, self.seq.reusable),
+                        kv_owned=getattr(self.seq.cache, "STATE_COPIES", False))
         self._dirty_messages.clear()
         self._dirty = False
         committing = commit_now if wait else commit_later

@@ -88,6 +88,64 @@ def test_the_store_restores_into_and_checkpoints_from_a_paged_cache(model, tiny,
     store.close()
 
 
+class PagedModel:
+    """The model with its caches in `pool` (as `kvstore serve` hands its sessions one)."""
+
+    def __init__(self, model, pool: BlockPool):
+        self._model, self._pool = model, pool
+
+    def __getattr__(self, name: str):
+        return getattr(self._model, name)
+
+    def new_cache(self, capacity: int = 0) -> PagedCache:  # blocks taken as positions are written
+        return PagedCache(self._pool)
+
+
+def test_an_automatic_checkpoint_of_a_paged_session_commits_its_own_copy_of_the_rows(model, tiny, tmp_path,
+                                                                                   monkeypatch):
+    """`state` copies a paged cache's rows out of the blocks, so the commit behind the caller takes
+    those very tensors (no second copy); the blocks written over before it runs change nothing stored."""
+    from kvstore import commit as commit_module
+
+    handed, held, release = [], [], __import__("threading").Event()
+    real_state, real_commit = PagedCache.state, commit_module.commit
+
+    def recorded_state(self, *args, **kwargs):
+        out = real_state(self, *args, **kwargs)
+        handed.append(out)
+        return out
+
+    def held_commit(store_, session_id, name, head, change):
+        if change.reason == "auto":
+            held.append(change)
+            assert release.wait(30), "the test never released the commit"
+        return real_commit(store_, session_id, name, head, change)
+
+    monkeypatch.setattr(PagedCache, "state", recorded_state)
+    monkeypatch.setattr(commit_module, "commit", held_commit)
+    pool = pool_for(model)
+    store = kvstore.open_store(tmp_path / "home")
+    with store.new("s", PagedModel(model, pool), seed=1, chunk_size=8, checkpoint_every=10 ** 6) as s:
+        s.append_tokens(tiny("llama-gqa").ids(21))
+        tokens = s.generate(20, stop_at_eos=False)
+        for _ in range(6):  # six tokens decoded, none checkpointed yet
+            next(tokens)
+        committed = s.head.n_cached
+        assert s.checkpoint("auto", wait=False)
+        expected = real_state(s.seq.cache)  # every position, as the cache holds them now
+        rows = s.seq.cache.rows(committed, s.seq.cache.length)  # the positions being committed
+        for layer in range(pool.n_layers):  # written over in their blocks while the commit waits
+            pool.flat(layer)[rows] = 7.0
+        release.set()
+        s.settle()
+        assert held and held[0].kv_owned and all(a is b for a, b in zip(held[0].kv, handed[-1]))
+        tokens.close()  # its end checkpoint: nothing new to commit
+    with store.open("s", model) as again:
+        assert again.seq.cache.length == len(expected[0])
+        assert all(torch.equal(a, b) for a, b in zip(again.seq.cache.state(), expected))
+    store.close()
+
+
 def test_sequences_growing_in_turns_take_blocks_in_runs_while_the_pool_has_room(model):
     """Sessions decoding in one step ask for a block each in turn: each gets RUN_BLOCKS of them next
     to each other (its cache read in runs, not in single blocks scattered over the pool), as long as a

@@ -54,6 +54,8 @@ POOL = BufferPool(limit=512 << 20, new=_new_buffer)  # flat uint8 CPU tensors
 
 
 class KVCache:
+    STATE_COPIES = False  # `state` returns views of the buffers (a PagedCache's are copies)
+
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, *, dtype: torch.dtype,
                  device: torch.device | str = "cpu", capacity: int = 0):
         self.n_layers, self.n_kv_heads, self.head_dim = n_layers, n_kv_heads, head_dim

@@ -136,6 +136,8 @@ class BlockPool:
 
 
 class PagedCache:
+    STATE_COPIES = True  # `state` returns copies, not views of the blocks (KVCache's are views)
+
     def __init__(self, pool: BlockPool, capacity: int = 0):
         self.pool = pool
         self.n_layers, self.n_kv_heads, self.head_dim = pool.n_layers, pool.n_kv_heads, pool.head_dim
@@ -255,10 +257,12 @@ class PagedCache:
         self.length = end
 
     def state(self, start: int = 0, end: int | None = None) -> list[torch.Tensor]:
-        """Per layer the K/V of positions start..end-1 `[end - start, 2, n_kv, hd]` (copies)."""
+        """Per layer the K/V of positions start..end-1 `[end - start, 2, n_kv, hd]`: copies of their own
+        (`STATE_COPIES`), which a checkpoint committed behind the caller need not copy again."""
         end = self.length if end is None else end
         assert 0 <= start <= end <= self.length, (start, end, self.length)
-        return [self.gather(i, end, start) for i in range(self.n_layers)]
+        rows = self.rows(start, end)  # the same rows in every layer
+        return [self.pool.flat(i).index_select(0, rows) for i in range(self.n_layers)]
 
     def trim(self, n: int) -> None:
         self.length = min(self.length, max(n, 0))

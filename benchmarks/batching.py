@@ -32,7 +32,9 @@ Contract:
               weight bytes are the GGUF's tensor data (the weights as stored), a session's KV bytes
               its context at the middle of its reply × the model's K/V bytes per token (2-byte
               elements), and the bandwidth a streaming read (`bandwidth`: a float32 sum over
-              `bandwidth_mib` MiB on the same threads, best of 5) measured in this run.
+              `bandwidth_mib` MiB on the same threads, best of 5) measured in this run. Beside it,
+              from the server's metrics, the share of an engine step its model calls took (the
+              forward and the head; the rest is the jobs' own work: sampling, events, checkpoints).
   interleave  `itl_sessions` sessions decode while another reads a `reader_tokens`-token document:
               their inter-token gaps during the read (decoders keep asking for more until it is
               read) against the gaps of the same sessions decoding alone (quiet).
@@ -259,6 +261,18 @@ def steps_mean(after: dict, before: dict) -> float | None:
     return d["kvstore:batch_sessions_per_step_sum"] / count if count else None
 
 
+def step_split(after: dict, before: dict) -> dict:
+    """Between two scrapes: the mean seconds of an engine step and the share of them its model calls
+    took (kvstore:engine_step_seconds, kvstore:model_forward_seconds); the rest is the jobs' own work
+    (sampling, events, checkpoints). {} where no step was reported (a server without these metrics)."""
+    steps = grown(after, before, "kvstore:engine_step_seconds_")
+    model = grown(after, before, "kvstore:model_forward_seconds_")
+    count, total = steps.get("kvstore:engine_step_seconds_count", 0), steps.get("kvstore:engine_step_seconds_sum", 0)
+    if not count or not total:
+        return {}
+    return {"step_s": total / count, "model_share": model.get("kvstore:model_forward_seconds_sum", 0) / total}
+
+
 def steps_after(server: Server, before: dict, wait_s: float = 3.0) -> float | None:
     """`steps_mean` once the point's forwards have reached the metrics: an engine reports them as it
     goes idle, a moment after the last reply's end reached the client."""
@@ -361,6 +375,7 @@ def kvstore_decode(server: Server, cfg: dict, texts: dict, facts: dict, bw: floa
                 streams = together([lambda s=s: complete(server, CONTINUE, cfg["new_tokens"], s) for s in names])
                 p = {"server": "kvstore", "context": n, "sessions": count, "rep": rep, "load_1min": os.getloadavg()[0],
                      "sessions_per_step": steps_after(server, before)} | point_figures(streams, facts, bw)
+                p |= step_split(scrape(server), before)
                 points.append(p)
                 log(f"    kvstore   {n:5} tokens x {count:2}: {p.get('tok_s', 0):7.1f} tok/s "
                     f"(limit {p['limit_tok_s']:.0f}, {p.get('of_limit', 0) * 100:.0f} %)")
@@ -409,6 +424,9 @@ def decode_summary(points: list[dict], cfg: dict) -> list[dict]:
                 steps = [p["sessions_per_step"] for p in points if p["server"] == "kvstore" and p["context"] == n
                          and p["sessions"] == count and p.get("sessions_per_step")]
                 ours["sessions_per_step"] = percentile(steps, 50) if steps else None
+                shares = [p["model_share"] for p in points if p["server"] == "kvstore" and p["context"] == n
+                          and p["sessions"] == count and p.get("model_share")]
+                ours["model_share"] = percentile(shares, 50) if shares else None
             if ours and row.get("llama.cpp"):
                 row["ratio"] = ours["tok_s"] / row["llama.cpp"]["tok_s"]
             rows.append(row)
@@ -685,14 +703,19 @@ def markdown(r: dict) -> str:
     if r.get("decode"):
         lines += [f"Aggregate decode rate, {cfg.get('new_tokens')} tokens per session (median of {cfg.get('reps')}; the "
                   "window where every session decodes), beside the memory-bound limit "
-                  "(weights + every session's KV per step, at the measured bandwidth):", "",
-                  "| context | sessions | kvstore tok/s | limit tok/s | of limit | sessions per forward | llama.cpp tok/s | "
-                  "kvstore ÷ llama.cpp |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  "(weights + every session's KV per step, at the measured bandwidth). Model calls ÷ step: the "
+                  "share of the engine's steps spent in the forward and the output head "
+                  "(`kvstore:model_forward_seconds` ÷ `kvstore:engine_step_seconds`); the rest is the jobs' own "
+                  "work: sampling, streaming, checkpoints:", "",
+                  "| context | sessions | kvstore tok/s | limit tok/s | of limit | sessions per forward | "
+                  "model calls ÷ step | llama.cpp tok/s | kvstore ÷ llama.cpp |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for row in r["decode"]:
             k, ll = row.get("kvstore"), row.get("llama.cpp")
             cells = [f"{row['context']:,}", str(row["sessions"])]
             cells += [f"{k['tok_s']:.1f}", f"{k['limit_tok_s']:.0f}", f"{k['of_limit'] * 100:.0f} %",
-                      f"{k['sessions_per_step']:.1f}" if k.get("sessions_per_step") else "–"] if k else ["–"] * 4
+                      f"{k['sessions_per_step']:.1f}" if k.get("sessions_per_step") else "–",
+                      f"{k['model_share'] * 100:.0f} %" if k.get("model_share") else "–"] if k else ["–"] * 5
             cells += [f"{ll['tok_s']:.1f}" if ll else "–", f"{row['ratio']:.2f}×" if "ratio" in row else "–"]
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")

@@ -64,10 +64,12 @@ class BatchedModel:
 
 @dataclass
 class Step:
-    """What one engine step's forward fed (the metrics'): sessions, decode tokens, prompt tokens."""
+    """What one engine step's forward fed (the metrics'): sessions, decode tokens, prompt tokens, and
+    the seconds its model calls took (the forward and the output head)."""
     sessions: int = 0
     decode_rows: int = 0
     prefill_rows: int = 0
+    model_s: float = 0.0
 
 
 class Pace:
@@ -114,6 +116,7 @@ class Batcher:
         self.hub: greenlet | None = None  # the loop's greenlet while it runs jobs
         self.round = 0
         self.waiting: dict[str, tuple[greenlet, Request]] = {}  # jobs asking the model, their greenlets
+        self.step = Step()  # the step `run` is making
 
     def abandon(self, job: str) -> None:
         """A job cancelled while it waits for the model: its call raises GreenletExit, so its session
@@ -147,7 +150,7 @@ class Batcher:
 
     def _run(self, steps: dict[str, Callable[[], Any]]) -> tuple[dict[str, Any], Step]:
         done: dict[str, Any] = {}
-        step = Step()
+        step = self.step = Step()
         # jobs still waiting from an earlier step (a prompt chunk the budget left out) keep their request
         runnable = {job: (self._task(fn), _START) for job, fn in steps.items() if job not in self.waiting}
         fed = False
@@ -182,11 +185,14 @@ class Batcher:
             del self.waiting[job]
         import torch
 
+        started = time.perf_counter()
         try:
             logits = self.model.head(torch.stack([r.args[0] for _, r in heads.values()]))
             return {job: (task, logits[i]) for i, (job, (task, _)) in enumerate(heads.items())}
         except Exception as e:  # noqa: BLE001 -- every asker gets it
             return {job: (task, e) for job, (task, _) in heads.items()}
+        finally:
+            self.step.model_s += time.perf_counter() - started
 
     def _answer_feeds(self, step: Step) -> dict[str, tuple[greenlet, Any]]:
         feeds = sorted(((job, task, r) for job, (task, r) in self.waiting.items() if r.kind == "feed"),
@@ -211,6 +217,7 @@ class Batcher:
             hidden = [_alone(self.model, piece) for _, _, _, piece in chosen]
         else:
             self.pace.observe(step.decode_rows, step.prefill_rows, time.perf_counter() - t)
+        step.model_s += time.perf_counter() - t
         for i, (job, task, r, piece) in enumerate(chosen):
             if piece is r or isinstance(hidden[i], BaseException):
                 self.waiting.pop(job, None)

@@ -218,7 +218,8 @@ class Loop:
         self.running: OrderedDict[str, Any] = OrderedDict()
         self.stopping = False
         self.batcher = engine.batcher
-        self.steps: list[tuple[int, int, int]] = []  # (sessions, decode rows, prompt rows) of each forward
+        # (sessions, decode rows, prompt rows, the model's seconds, the step's seconds) of each forward
+        self.steps: list[tuple[int, int, int, float, float]] = []
         self.stats_sent = time.monotonic()
 
     def run(self) -> None:
@@ -250,9 +251,9 @@ class Loop:
             self.stopping = True
 
     def _step(self) -> None:
+        started = time.perf_counter()
         done, step = self.batcher.run({job_id: (lambda job=job: next(job, _FINISHED))
                                        for job_id, job in self.running.items()})
-        self._count(step)
         events, closing = [], []
         try:
             for job_id, event in done.items():
@@ -273,12 +274,14 @@ class Loop:
             for job_id in closing:  # after its last event went out: the client does not wait for the checkpoint
                 if job_id in self.running:
                     self._close(job_id, self.running.pop(job_id))
+            self._count(step, time.perf_counter() - started)
 
-    def _count(self, step) -> None:
-        """Each forward's size, sent to the API process's metrics at most every STATS_EVERY seconds
-        while jobs run, and as soon as the engine has nothing to run (`run`)."""
+    def _count(self, step, seconds: float) -> None:
+        """Each forward's size and seconds, and the whole step's (the jobs' own work around the forward:
+        sampling, their events, their checkpoints), sent to the API process's metrics at most every
+        STATS_EVERY seconds while jobs run, and as soon as the engine has nothing to run (`run`)."""
         if step.sessions:
-            self.steps.append((step.sessions, step.decode_rows, step.prefill_rows))
+            self.steps.append((step.sessions, step.decode_rows, step.prefill_rows, step.model_s, seconds))
         if self.steps and time.monotonic() - self.stats_sent >= STATS_EVERY:
             self._send_stats()
 

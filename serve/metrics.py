@@ -13,6 +13,7 @@ LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 
 TOKEN_GAP = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2, 2.5)
 BYTES = (2**20, 2**22, 2**24, 2**26, 2**28, 2**30, 2**32)
 ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64, 128, 256, 512, 1024, 2048)
+STEP = (0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
 class Metrics:
@@ -61,6 +62,13 @@ class Metrics:
         self.step_tokens = Histogram("kvstore:batch_tokens_per_step",
                                      "Tokens computed in one forward of an engine step, by kind: decode (one per "
                                      "generating session) or prefill (prompt chunks)", ["kind"], buckets=ROWS, registry=r)
+        self.step_seconds = Histogram("kvstore:engine_step_seconds",
+                                      "Seconds of one engine step that ran a forward: the forward and the jobs' own "
+                                      "work around it (sampling, streaming, checkpoints)", buckets=STEP, registry=r)
+        self.model_seconds = Histogram("kvstore:model_forward_seconds",
+                                       "Seconds of the model calls of one engine step (the forward and the output "
+                                       "head); the rest of kvstore:engine_step_seconds is the jobs' own work",
+                                       buckets=STEP, registry=r)
 
         self.prefix_queries = Counter("kvstore:prefix_cache_queries",
                                       "Prompt tokens of requests that looked up the prefix cache (no session named)",
@@ -87,8 +95,10 @@ class Metrics:
         if "kv_blocks" in msg:
             self.kv_usage.labels(str(msg["engine"])).set(msg["kv_used"] / msg["kv_blocks"])
         self.evictions.inc(msg.get("evictions", 0))
-        for sessions, decode, prefill in msg["steps"]:
+        for sessions, decode, prefill, model_s, step_s in msg["steps"]:
             self.step_sessions.observe(sessions)
+            self.model_seconds.observe(model_s)
+            self.step_seconds.observe(step_s)
             if decode:
                 self.step_tokens.labels("decode").observe(decode)
             if prefill:

@@ -56,10 +56,20 @@ def test_metrics_are_read_from_prometheus_text_and_differenced():
     assert batching.grown(after, before, "kvstore:kv_") == {"kvstore:kv_evictions_total": 3.0}
 
 
+def test_a_steps_seconds_are_split_into_the_model_calls_and_the_rest():
+    before = {"kvstore:engine_step_seconds_sum": 1.0, "kvstore:engine_step_seconds_count": 10.0,
+              "kvstore:model_forward_seconds_sum": 0.5, "kvstore:model_forward_seconds_count": 10.0}
+    after = {"kvstore:engine_step_seconds_sum": 3.0, "kvstore:engine_step_seconds_count": 30.0,
+             "kvstore:model_forward_seconds_sum": 2.0, "kvstore:model_forward_seconds_count": 30.0}
+    split = batching.step_split(after, before)
+    assert split["step_s"] == pytest.approx(0.1) and split["model_share"] == pytest.approx(0.75)  # 1.5 of 2 s
+    assert batching.step_split(before, before) == {}  # no step between them
+
+
 def row(n: int, count: int, tok_s: float, limit: float, llama: float | None = None) -> dict:
     r = {"context": n, "sessions": count,
          "kvstore": {"tok_s": tok_s, "limit_tok_s": limit, "of_limit": tok_s / limit, "sessions_per_step": count,
-                     "min": tok_s, "max": tok_s}}
+                     "min": tok_s, "max": tok_s, "model_share": 0.85 if count > 1 else None}}
     if llama:
         r["llama.cpp"] = {"tok_s": llama, "limit_tok_s": limit, "min": llama, "max": llama}
         r["ratio"] = tok_s / llama
@@ -115,7 +125,7 @@ def test_a_figure_that_was_not_measured_is_not_judged():
 def test_the_section_renders_every_workload_and_says_what_was_not_measured():
     text = batching.markdown(fake())
     assert text.startswith("## Many sessions at once\n")
-    assert "| 2,048 | 8 | 80.0 | 100 | 80 % | 8.0 | 60.0 | 1.33× |" in text
+    assert "| 2,048 | 8 | 80.0 | 100 | 80 % | 8.0 | 85 % | 60.0 | 1.33× |" in text
     assert "| quiet | 20.0 ms | 40.0 ms | 100 |" in text and "| during the read | 20.0 ms | 70.0 ms | 100 |" in text
     assert "| no prefix cache | 1,500 / 1,560 | 1,500 / 1,560 | 3,060 of 3,060 |" in text
     assert "| prefix cache | not available in this build |" in text
@@ -123,7 +133,7 @@ def test_the_section_renders_every_workload_and_says_what_was_not_measured():
     assert "**0 failed requests**" in text
     assert "llama-cpp-python 0.3.36 sources" in text
     alone = batching.markdown(fake(llama=False))
-    assert "Not measured: llama.cpp: left out (--no-peer)" in alone and "| 512 | 1 | 40.0 | 50 | 80 % | 1.0 | – | – |" in alone
+    assert "Not measured: llama.cpp: left out (--no-peer)" in alone and "| 512 | 1 | 40.0 | 50 | 80 % | 1.0 | – | – | – |" in alone
     assert batching.markdown({"not_measured": {"kvstore": "no --kv-memory"}}).count("Not measured") == 1
 
 

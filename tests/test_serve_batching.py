@@ -83,8 +83,9 @@ def test_every_session_in_a_batch_replies_as_the_library_alone(tmp_path, batched
     events, steps = together(tmp_path, batched_model, jobs, monkeypatch)
     for j in range(company + 1):
         assert events[f"j{j}"] == library_trace(tmp_path, batched_model, j, sampling, 12), f"session s{j}"
-    assert max(sessions for sessions, _, _ in steps) == company + 1  # all of them in one forward, at times
-    assert any(decode and prefill for _, decode, prefill in steps)  # decode tokens beside prompt chunks
+    assert max(sessions for sessions, *_ in steps) == company + 1  # all of them in one forward, at times
+    assert any(decode and prefill for _, decode, prefill, *_ in steps)  # decode tokens beside prompt chunks
+    assert all(0 < model_s < step_s for *_, model_s, step_s in steps)  # the forward's seconds within the step's
 
 
 @pytest.mark.realmodel
@@ -94,7 +95,7 @@ def test_the_real_model_in_a_batch_replies_as_the_library_alone(tmp_path, smollm
     events, steps = together(tmp_path, model, jobs, monkeypatch)
     for j in range(4):
         assert events[f"j{j}"] == library_trace(tmp_path, model, j, "seeded", 8), f"session s{j}"
-    assert max(sessions for sessions, _, _ in steps) == 4
+    assert max(sessions for sessions, *_ in steps) == 4
 
 
 def reading(j: int, words: int, max_tokens: int) -> dict:
@@ -126,13 +127,13 @@ def test_a_long_prompt_is_read_while_others_decode_not_after_them(tmp_path, batc
     events, steps = together(tmp_path, batched_model, jobs, monkeypatch, max_slowdown=1.0)
     for spec in jobs:
         assert events[spec["id"]] == library_completion(tmp_path, batched_model, spec), spec["id"]
-    mixed = [(decode, prompt) for _, decode, prompt in steps if decode and prompt]
+    mixed = [(decode, prompt) for _, decode, prompt, *_ in steps if decode and prompt]
     assert len(mixed) >= 5  # the reader read beside the decoders' tokens, step after step
     if batched_model.row_invariant:
         assert all(prompt <= Pace.LEAST for _, prompt in mixed)  # pieces of chunks
     else:  # whole chunks, the prompt's last one shorter
         assert sorted(prompt for _, prompt in mixed)[1:] == [CHUNK] * (len(mixed) - 1)
-    decode_steps = [decode for _, decode, _ in steps if decode]
+    decode_steps = [decode for _, decode, _, *_ in steps if decode]
     assert decode_steps.count(3) > len(mixed)  # the decoders went on after the reader was done
 
 

@@ -34,8 +34,8 @@ def test_every_session_in_a_cuda_step_replies_as_the_library_alone(tmp_path, cud
     events, steps = together(tmp_path, cuda_model, jobs, monkeypatch, kv_memory=16 * 2**20)
     for j in range(company + 1):
         assert events[f"j{j}"] == library_trace(tmp_path, cuda_model, j, sampling, 12), f"session s{j}"
-    assert max(sessions for sessions, _, _ in steps) == company + 1  # all of them in one forward, at times
-    assert any(decode and prefill for _, decode, prefill in steps)  # decode tokens beside prompt chunks
+    assert max(sessions for sessions, *_ in steps) == company + 1  # all of them in one forward, at times
+    assert any(decode and prefill for _, decode, prefill, *_ in steps)  # decode tokens beside prompt chunks
 
 
 def test_the_paged_memory_lives_on_the_gpu_and_changes_no_bit(cuda_model, tiny):

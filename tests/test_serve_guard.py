@@ -434,7 +434,7 @@ METRICS = ["kvstore:time_to_first_token_seconds", "kvstore:inter_token_latency_s
            "kvstore:num_requests_running", "kvstore:num_requests_waiting", "kvstore:prompt_tokens_total",
            "kvstore:generation_tokens_total", "kvstore:session_restore_seconds", "kvstore:session_restore_bytes_total",
            "kvstore:checkpoint_seconds", "kvstore:kv_resident_bytes", "kvstore:engine_restarts_total",
-           "kvstore:request_errors_total"]
+           "kvstore:request_errors_total", "kvstore:engine_step_seconds", "kvstore:model_forward_seconds"]
 
 
 def test_an_idle_engine_reports_its_last_forwards_at_once(server, a):
@@ -453,6 +453,27 @@ def test_an_idle_engine_reports_its_last_forwards_at_once(server, a):
             break
         time.sleep(0.05)
     assert moved >= tokens, (moved, tokens)
+
+
+def test_each_engine_step_reports_its_seconds_and_its_model_calls_seconds(server, a):
+    """Every step that ran a forward reports how long it took and how much of it the model's calls took
+    (the forward and the head): the rest is the jobs' own work (sampling, events, checkpoints)."""
+    before = metrics(server)
+    r = a.post(CHAT, json=chat_body("Name two rivers.", max_tokens=10, seed=4), headers={"X-Session-Id": "timed"})
+    assert r.status_code == 200
+
+    def grown(name: str) -> float:
+        return sample(metrics(server), name) - sample(before, name)
+
+    deadline = time.monotonic() + 5
+    while grown("kvstore:batch_sessions_per_step_count") < r.json()["usage"]["completion_tokens"] \
+            and time.monotonic() < deadline:
+        time.sleep(0.05)
+    steps = grown("kvstore:batch_sessions_per_step_count")
+    assert steps >= r.json()["usage"]["completion_tokens"]
+    assert grown("kvstore:engine_step_seconds_count") == grown("kvstore:model_forward_seconds_count") == steps
+    model_s, step_s = grown("kvstore:model_forward_seconds_sum"), grown("kvstore:engine_step_seconds_sum")
+    assert 0 < model_s < step_s
 
 
 def test_metrics_are_named_like_vllms_and_move(server, a, model):

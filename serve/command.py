@@ -79,7 +79,10 @@ def is_loopback(host: str) -> bool:
 @click.option("--chunk-size", type=click.IntRange(1, 1 << 20),
               help="Prefill chunk of the sessions the server creates (default: the library's, 512).")
 @click.option("--checkpoint-every", type=click.IntRange(1, 1 << 20),
-              help="Generated tokens between checkpoints of the sessions the server creates.")
+              help="Generated tokens between checkpoints of the sessions the server creates (default: "
+                   "the library's, 16). Each checkpoint's commit takes CPU beside the decode: with many "
+                   "sessions decoding at once, a longer interval leaves more to the forward, and a crash "
+                   "then loses more of a reply to compute again.")
 @click.option("--grace", default=30.0, show_default=True, type=click.FloatRange(0, 3600),
               help="Seconds SIGTERM waits for requests in flight before checkpointing and exiting.")
 @click.option("--keep-alive", default=15.0, show_default=True, type=click.FloatRange(0.05, 3600),

@@ -116,7 +116,6 @@ class Batcher:
         self.hub: greenlet | None = None  # the loop's greenlet while it runs jobs
         self.round = 0
         self.waiting: dict[str, tuple[greenlet, Request]] = {}  # jobs asking the model, their greenlets
-        self.step = Step()  # the step `run` is making
 
     def abandon(self, job: str) -> None:
         """A job cancelled while it waits for the model: its call raises GreenletExit, so its session
@@ -150,7 +149,7 @@ class Batcher:
 
     def _run(self, steps: dict[str, Callable[[], Any]]) -> tuple[dict[str, Any], Step]:
         done: dict[str, Any] = {}
-        step = self.step = Step()
+        step = Step()
         # jobs still waiting from an earlier step (a prompt chunk the budget left out) keep their request
         runnable = {job: (self._task(fn), _START) for job, fn in steps.items() if job not in self.waiting}
         fed = False
@@ -163,7 +162,7 @@ class Batcher:
                 else:
                     asked[job] = (task, out)
             self.waiting.update(asked)
-            runnable = self._answer_heads()
+            runnable = self._answer_heads(step)
             if not runnable and not fed:
                 runnable, fed = self._answer_feeds(step), True
         return done, step
@@ -177,7 +176,7 @@ class Batcher:
                 return e
         return greenlet(body)
 
-    def _answer_heads(self) -> dict[str, tuple[greenlet, Any]]:
+    def _answer_heads(self, step: Step) -> dict[str, tuple[greenlet, Any]]:
         heads = {job: (task, r) for job, (task, r) in self.waiting.items() if r.kind == "head"}
         if not heads:
             return {}
@@ -192,7 +191,7 @@ class Batcher:
         except Exception as e:  # noqa: BLE001 -- every asker gets it
             return {job: (task, e) for job, (task, _) in heads.items()}
         finally:
-            self.step.model_s += time.perf_counter() - started
+            step.model_s += time.perf_counter() - started
 
     def _answer_feeds(self, step: Step) -> dict[str, tuple[greenlet, Any]]:
         feeds = sorted(((job, task, r) for job, (task, r) in self.waiting.items() if r.kind == "feed"),

@@ -24,9 +24,11 @@ checkpoint's files and index sync, instead of waiting for two durable flushes ev
 change it is given must not move meanwhile: its KV rows are copied first. The checkpoint counts as
 done (acknowledged) only once the future has its head: the session keeps the old head until then.
 
-The statements are built once with bound parameters and run on a plain connection: this runs at
-every checkpoint of a decode, where the ORM's unit of work, or building statements anew, cost more
-than the SQL; the index rows take about as long as the sync they overlap.
+The statements are built once with bound parameters and run on the driver's cursor of the
+transaction's connection (`store.prepared`): this runs at every checkpoint of a decode, on a thread
+that takes CPU (and the GIL) from it, where the ORM's unit of work, or even `Connection.execute`,
+costs more than the SQL. For the same reason the KV rows of all layers are copied into one tensor
+(`commit_later`), whose bytes `segments.layer_bytes` takes at once.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from sqlalchemy import bindparam, delete, insert, update
 
 from .errors import SessionBusy
 from .store import segments
+from .store.prepared import Prepared
 from .store.index import (CheckpointRow, ExtentRow, MessageRow, PrefixKeyRow, SegmentRow, SessionExtentRow, SessionRow,
                           TokenBlockRow, store_full_on_disk_full, utcnow)
 from .store.records import encode_tokens
@@ -51,16 +54,17 @@ COMMITTER = "kvstore-commit"  # the committing thread's name
 # The head moves with a compare-and-set on (id, head); `p_` names the WHERE parameters (a SET
 # column's own name is taken).
 _S = SessionRow.__table__
-HEAD_MOVES = update(_S).where(_S.c.id == bindparam("p_id"), _S.c.head == bindparam("p_head"))
-SEGMENT_GROWS = update(SegmentRow.__table__).where(SegmentRow.__table__.c.id == bindparam("p_id"))
-ADD_CHECKPOINT = insert(CheckpointRow.__table__)
-ADD_EXTENT = insert(ExtentRow.__table__).returning(ExtentRow.__table__.c.id)
-ADD_SESSION_EXTENT = insert(SessionExtentRow.__table__)
-ADD_TOKENS = insert(TokenBlockRow.__table__)
-ADD_PREFIX_KEYS = insert(PrefixKeyRow.__table__)
+HEAD_MOVES = Prepared(update(_S).where(_S.c.id == bindparam("p_id"), _S.c.head == bindparam("p_head")))
+SEGMENT_GROWS = Prepared(update(SegmentRow.__table__).where(SegmentRow.__table__.c.id == bindparam("p_id")))
+ADD_CHECKPOINT = Prepared(insert(CheckpointRow.__table__))
+ADD_EXTENT = Prepared(insert(ExtentRow.__table__).returning(ExtentRow.__table__.c.id))
+ADD_SESSION_EXTENT = Prepared(insert(SessionExtentRow.__table__))
+ADD_TOKENS = Prepared(insert(TokenBlockRow.__table__))
+ADD_PREFIX_KEYS = Prepared(insert(PrefixKeyRow.__table__))
 _M = MessageRow.__table__
-DROP_MESSAGE = delete(_M).where(_M.c.session_id == bindparam("p_session"), _M.c.ordinal == bindparam("p_ordinal"))
-ADD_MESSAGE = insert(_M)
+DROP_MESSAGE = Prepared(delete(_M).where(_M.c.session_id == bindparam("p_session"),
+                                         _M.c.ordinal == bindparam("p_ordinal")))
+ADD_MESSAGE = Prepared(insert(_M))
 
 
 @dataclass(frozen=True)
@@ -79,7 +83,8 @@ class Change:
     """What one checkpoint commits on top of a Head."""
     reason: str  # recorded with the checkpoint: new, tokens, prefill, call, auto, end, fork, pack, close, ...
     tokens: list[int]  # every token id; those past head.n_tokens are new
-    kv: list[torch.Tensor] | None  # per layer `[n_cached - head.n_cached, 2, n_kv, hd]`: the new KV rows
+    # the new KV rows: per layer `[n_cached - head.n_cached, 2, n_kv, hd]`, as a list or stacked in one tensor
+    kv: list[torch.Tensor] | torch.Tensor | None
     n_cached: int
     hidden: bytes | None  # the last token's final state (`hidden_bytes`) when n_cached == len(tokens) > 0
     active_call: dict[str, Any] | None
@@ -96,7 +101,7 @@ def commit(store, session_id: str, name: str, head: Head, change: Change) -> Hea
     written, when another writer moved the head since `head`; StoreFull when the disk is full."""
     n_tokens = len(change.tokens)
     with store_full_on_disk_full(f"checkpoint of {name!r}"), store.engine.begin() as db:
-        moved = db.execute(HEAD_MOVES, {
+        moved = HEAD_MOVES(db, {
             "p_id": session_id, "p_head": head.seq, "head": head.seq + 1, "n_tokens": n_tokens,
             "n_cached": change.n_cached, "active_call": change.active_call, "last_hidden": change.hidden,
             "sampler": change.sampler, "checkpoint_every": change.checkpoint_every, "n_reusable": change.n_reusable,
@@ -106,12 +111,13 @@ def commit(store, session_id: str, name: str, head: Head, change: Change) -> Hea
                               "opened; nothing was committed. Open it again")
         end, appending = head.committed_end, None
         if change.kv is not None:
-            layers = [t.to("cpu").contiguous() for t in change.kv]
+            layers = (change.kv.to("cpu").contiguous() if isinstance(change.kv, torch.Tensor)
+                      else [t.to("cpu").contiguous() for t in change.kv])
             appending = segments.start_append(store.session_dir(session_id), head.committed_end, layers,
                                               names_synced=head.names_synced)
             end = appending.written.end
         try:  # the rows, while the layer files sync
-            _add_rows(db.execute, session_id, head, change, appending.written if appending else None)
+            _add_rows(db, session_id, head, change, appending.written if appending else None)
         except Exception:
             if appending is not None:
                 appending.abandon()
@@ -135,37 +141,41 @@ def commit_now(store, session_id: str, name: str, head: Head, change: Change) ->
 
 def commit_later(store, session_id: str, name: str, head: Head, change: Change) -> "Future[tuple[Head, float]]":
     """`commit_now` on the committing thread: its future at once. The change's KV rows are copied
-    here first (the cache they are views of may be trimmed and written again meanwhile), unless they
-    are CPU copies of their own already (`kv_owned`); the rest of a Change is not changed by its
-    maker. Once the interpreter is shutting down the commit runs here."""
-    if change.kv is not None:
-        change = replace(change, kv=[t if change.kv_owned and t.device.type == "cpu" else t.to("cpu", copy=True)
-                                     for t in change.kv])
+    here first, all layers into one CPU tensor (the cache they are views of may be trimmed and
+    written again meanwhile), unless they are CPU copies of their own already (`kv_owned`); the rest
+    of a Change is not changed by its maker. Once the interpreter is shutting down the commit runs
+    here."""
+    if change.kv is not None and not (change.kv_owned and _on_cpu(change.kv)):
+        change = replace(change, kv=torch.stack(list(change.kv)).to("cpu"), kv_owned=True)
     try:
         return serial(COMMITTER).submit(lambda: commit_now(store, session_id, name, head, change).result())
     except RuntimeError:  # no new threads' work at shutdown
         return commit_now(store, session_id, name, head, change)
 
 
-def _add_rows(run, session_id: str, head: Head, change: Change, written: segments.Written | None) -> None:
+def _on_cpu(kv: list[torch.Tensor] | torch.Tensor) -> bool:
+    return kv.device.type == "cpu" if isinstance(kv, torch.Tensor) else all(t.device.type == "cpu" for t in kv)
+
+
+def _add_rows(db, session_id: str, head: Head, change: Change, written: segments.Written | None) -> None:
     """Insert the checkpoint's rows (see the module's docstring, step 3)."""
     n_tokens = len(change.tokens)
-    run(ADD_CHECKPOINT, {"session_id": session_id, "seq": head.seq + 1, "n_tokens": n_tokens,
+    ADD_CHECKPOINT(db, {"session_id": session_id, "seq": head.seq + 1, "n_tokens": n_tokens,
                          "n_cached": change.n_cached, "reason": change.reason, "created_at": utcnow()})
     if written is not None:
-        run(SEGMENT_GROWS, {"p_id": session_id, "committed_end": written.end})
-        extent_id = run(ADD_EXTENT, {"segment_id": session_id, "offset": written.offset,
-                                     "n_tokens": written.n_tokens, "checksums": written.checksums}).scalar_one()
-        run(ADD_SESSION_EXTENT, {"session_id": session_id, "start": head.n_cached, "extent_id": extent_id,
+        SEGMENT_GROWS(db, {"p_id": session_id, "committed_end": written.end})
+        extent_id = ADD_EXTENT(db, {"segment_id": session_id, "offset": written.offset, "n_tokens": written.n_tokens,
+                                    "checksums": written.checksums}).fetchone()[0]
+        ADD_SESSION_EXTENT(db, {"session_id": session_id, "start": head.n_cached, "extent_id": extent_id,
                                  "n_tokens": change.n_cached - head.n_cached})
     if n_tokens > head.n_tokens:
-        run(ADD_TOKENS, {"session_id": session_id, "start": head.n_tokens,
+        ADD_TOKENS(db, {"session_id": session_id, "start": head.n_tokens,
                          "ids": encode_tokens(change.tokens[head.n_tokens:])})
     if change.prefix_keys:
-        run(ADD_PREFIX_KEYS, [{"session_id": session_id, "position": b, "key": k} for b, k in change.prefix_keys])
+        ADD_PREFIX_KEYS(db, [{"session_id": session_id, "position": b, "key": k} for b, k in change.prefix_keys])
     for m in change.messages:
-        run(DROP_MESSAGE, {"p_session": session_id, "p_ordinal": m["ordinal"]})
-        run(ADD_MESSAGE, {"session_id": session_id, **m})
+        DROP_MESSAGE(db, {"p_session": session_id, "p_ordinal": m["ordinal"]})
+        ADD_MESSAGE(db, {"session_id": session_id, **m})
 
 
 def hidden_bytes(hidden: torch.Tensor) -> bytes:

@@ -138,7 +138,7 @@ def test_an_automatic_checkpoint_of_a_paged_session_commits_its_own_copy_of_the_
             pool.flat(layer)[rows] = 7.0
         release.set()
         s.settle()
-        assert held and held[0].kv_owned and all(a is b for a, b in zip(held[0].kv, handed[-1]))
+        assert held and held[0].kv_owned and held[0].kv is handed[-1]  # the rows of every layer, in one tensor
         tokens.close()  # its end checkpoint: nothing new to commit
     with store.open("s", model) as again:
         assert again.seq.cache.length == len(expected[0])

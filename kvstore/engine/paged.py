@@ -256,13 +256,18 @@ class PagedCache:
             self.pool.flat(i).index_copy_(0, self.rows(start, end), part.to(self.device))
         self.length = end
 
-    def state(self, start: int = 0, end: int | None = None) -> list[torch.Tensor]:
-        """Per layer the K/V of positions start..end-1 `[end - start, 2, n_kv, hd]`: copies of their own
-        (`STATE_COPIES`), which a checkpoint committed behind the caller need not copy again."""
+    def state(self, start: int = 0, end: int | None = None) -> torch.Tensor:
+        """The K/V of positions start..end-1, every layer in one tensor `[n_layers, end - start, 2,
+        n_kv, hd]` (iterated, per layer as KVCache's list): copies of their own (`STATE_COPIES`), which a
+        checkpoint committed behind the caller need not copy again."""
         end = self.length if end is None else end
         assert 0 <= start <= end <= self.length, (start, end, self.length)
         rows = self.rows(start, end)  # the same rows in every layer
-        return [self.pool.flat(i).index_select(0, rows) for i in range(self.n_layers)]
+        out = torch.empty((self.n_layers, end - start, 2, self.n_kv_heads, self.head_dim), dtype=self.dtype,
+                          device=self.device)
+        for i in range(self.n_layers):
+            torch.index_select(self.pool.flat(i), 0, rows, out=out[i])
+        return out
 
     def trim(self, n: int) -> None:
         self.length = min(self.length, max(n, 0))

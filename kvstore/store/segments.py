@@ -59,6 +59,17 @@ def as_bytes(t: "torch.Tensor") -> np.ndarray:
     return t.reshape(-1).view(torch.uint8).numpy()
 
 
+def layer_bytes(layers) -> list[np.ndarray]:
+    """Each layer's bytes as a uint8 array (no copy): from a list of per-layer CPU tensors, or from
+    one `[n_layers, T, 2, n_kv, hd]` CPU tensor at once (a checkpoint's rows copied together: one
+    conversion, where a list costs one per layer)."""
+    import torch
+
+    if isinstance(layers, torch.Tensor):
+        return list(as_bytes(layers.contiguous()).reshape(layers.shape[0], -1))
+    return [as_bytes(t.contiguous()) for t in layers]
+
+
 @dataclass
 class Written:
     offset: int
@@ -67,15 +78,15 @@ class Written:
     end: int  # committed_end once this extent is committed
 
 
-def append(directory: Path, committed_end: int, layers: list["torch.Tensor"], *, names_synced: bool = False) -> Written:
-    """Write one extent (per layer `[T, 2, n_kv, hd]` CPU tensors) durably after `committed_end`
-    (`start_append`, then `Appending.finish`)."""
+def append(directory: Path, committed_end: int, layers, *, names_synced: bool = False) -> Written:
+    """Write one extent (per layer `[T, 2, n_kv, hd]` CPU tensors, or all layers as one tensor:
+    `layer_bytes`) durably after `committed_end` (`start_append`, then `Appending.finish`)."""
     return start_append(directory, committed_end, layers, names_synced=names_synced).finish()
 
 
-def start_append(directory: Path, committed_end: int, layers: list["torch.Tensor"], *,
-                 names_synced: bool = False) -> "Appending":
-    """Write one extent (per layer `[T, 2, n_kv, hd]` CPU tensors) after `committed_end` and start
+def start_append(directory: Path, committed_end: int, layers, *, names_synced: bool = False) -> "Appending":
+    """Write one extent (per layer `[T, 2, n_kv, hd]` CPU tensors, or all layers as one tensor:
+    `layer_bytes`) after `committed_end` and start
     making it durable on the syncing thread; the caller may prepare its index rows meanwhile, and
     must call `finish` (which waits for the sync) before it commits the extent.
 
@@ -84,36 +95,37 @@ def start_append(directory: Path, committed_end: int, layers: list["torch.Tensor
     have been created by a writer that died before its directory fsync.
     """
     offset = align(committed_end)
-    data = [as_bytes(t.contiguous()) for t in layers]
+    data = layer_bytes(layers)
     length = data[0].nbytes
     checksums = [codec.checksum(d) for d in data]
     fds: list[int] = []
     opened: list[Path] = []
     made: list[Path] = []  # files this call created
+    backend = io.backend  # the same backend for every call of this append (a checkpoint runs 90 of them)
     try:
-        created = io.mkdir(directory)
-        for i, (path, d) in enumerate(zip(layer_paths(directory, len(data)), data)):
-            fd = _open_existing(path) if names_synced else None  # this writer made and synced every name
+        created = backend.mkdir(directory)
+        for path, d in zip(layer_paths(directory, len(data)), data):
+            fd = _open_existing(backend, path) if names_synced else None  # this writer made and synced every name
             if fd is None:
-                if not io.exists(path):
+                if not backend.exists(path):
                     made.append(path)
-                fd = io.open(path, create=True)
+                fd = backend.open(path, create=True)
             fds.append(fd)
             opened.append(path)
-            io.allocate(fd, offset, length)
-            io.pwrite(fd, d, offset)
+            backend.allocate(fd, offset, length)
+            backend.pwrite(fd, d, offset)
         names = bool(created or made or not names_synced)
         syncing = _start_sync(directory, fds, names)
     except OSError as e:
         _undo(fds, opened, made, committed_end)
         reraise_full(e, f"writing KV to {directory.name}")
-    return Appending(Written(offset, layers[0].shape[0], checksums, offset + length), directory, fds, opened, made,
+    return Appending(Written(offset, len(layers[0]), checksums, offset + length), directory, fds, opened, made,
                      committed_end, syncing)
 
 
-def _open_existing(path: Path) -> int | None:
+def _open_existing(backend, path: Path) -> int | None:
     try:
-        return io.open(path)
+        return backend.open(path)
     except FileNotFoundError:  # removed since (its extents packed, `pack.free_packed_segment`): made again
         return None
 

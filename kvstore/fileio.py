@@ -6,8 +6,8 @@
   unsynced directory changes and fails the Nth call with ENOSPC or EIO. So everything the store
   does to files is here: create, reserve, write, read, fsync (files and directories), truncate,
   rename, unlink, list, stat, remove a tree, and the writer lock. ENOSPC from any of the writing
-  calls becomes `StoreFull` (`reraise_full`), so a full disk is an exception and never a SIGBUS
-  (space is reserved before bytes are written). A large read the page cache lacks can go straight
+  calls (the sync's included) becomes `StoreFull` (`reraise_full`), so a full disk is an exception
+  and never a SIGBUS (nothing is written through a mapping). A large read the page cache lacks can go straight
   from the disk (`uncached`, `pread_direct_into`: `direct_io`).
 - `atomic_write(path)`: a new file all or nothing (temp file beside it, fsync, rename, fsync of
   the folder). Everything that writes a file whole uses it: the store's small files and blobs

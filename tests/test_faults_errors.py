@@ -105,7 +105,7 @@ def test_an_error_at_every_operation_of_a_checkpoint(kit, tmp_path, err, first):
 @pytest.mark.parametrize("first", [False, True], ids=["existing-files", "first-checkpoint"])
 def test_a_disk_that_stays_full(kit, tmp_path, first):
     ops = checkpoint_ops(kit, tmp_path, first)
-    first_write = next(i for i, (name, _) in enumerate(ops) if name == "allocate")
+    first_write = next(i for i, (name, _) in enumerate(ops) if name == "pwrite")
     fail_then_recover(kit, tmp_path / "full", first, first_write, errno.ENOSPC, sticky=True)
 
 

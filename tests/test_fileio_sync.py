@@ -143,10 +143,12 @@ def test_a_checkpoint_whose_syncfs_finds_the_disk_full_is_store_full_and_commits
     store.close()
 
 
-def test_a_checkpoint_writes_its_index_rows_while_its_files_sync_and_commits_after(tiny, tmp_path):
+def test_a_checkpoint_writes_its_index_rows_while_its_files_sync_and_commits_after(tiny, tmp_path, monkeypatch):
     """The sync is a wait on the disk: it runs on the syncing thread while this one inserts the
     checkpoint's rows, and the commit (C4) waits until it is done."""
     from sqlalchemy import event
+
+    from kvstore import commit as commit_module
 
     m = tiny("llama-gqa")
     model = kvstore.load_model(m.folder, dtype="float32")
@@ -164,10 +166,13 @@ def test_a_checkpoint_writes_its_index_rows_while_its_files_sync_and_commits_aft
             super().fsync_files(fds, slow_disk)
             events.append(("sync ends", threading.current_thread().name))
 
-    @event.listens_for(store.engine, "before_cursor_execute")
-    def statement(conn, cursor, sql, *args):
-        if sql.lstrip().upper().startswith("INSERT INTO CHECKPOINTS"):
-            events.append(("checkpoint row", threading.current_thread().name))
+    add_checkpoint = commit_module.ADD_CHECKPOINT  # run on the driver's cursor: no execution events
+
+    def checkpoint_row(db, params):
+        events.append(("checkpoint row", threading.current_thread().name))
+        return add_checkpoint(db, params)
+
+    monkeypatch.setattr(commit_module, "ADD_CHECKPOINT", checkpoint_row)
 
     @event.listens_for(store.engine, "commit")
     def committed(conn):

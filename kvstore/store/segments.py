@@ -2,11 +2,17 @@
 
 Each file holds raw `[tokens, 2, n_kv_heads, head_dim]` elements of one layer. An extent is the
 same token range in every layer file, at the same page-aligned offset (C5: new bytes never share a
-page with committed ones). `start_append` reserves space with posix_fallocate before writing (a
-full disk raises StoreFull, never SIGBUS), writes, and starts the fsync of the files
+page with committed ones). `start_append` writes with pwrite, and starts the fsync of the files
 (`fileio.PosixIO.fsync_files`: one syncfs where that is as safe) and of the directory when it
 created files on the syncing thread; the caller may prepare its index rows meanwhile, and commits
 the extent once `Appending.finish` says it is durable (`append` does both at once).
+
+A full disk is StoreFull with nothing committed, from the write itself (the file systems we run on
+reserve the space of a buffered write when it is made) or, where space is only found at writeback,
+from the sync, which undoes the append. The bytes are never written through a mapping, so no SIGBUS
+can come of it; hence no posix_fallocate first: it cost each checkpoint 30 more calls, and on ext4
+the conversion of the reserved (unwritten) extents at writeback, about 0.2 ms of CPU per checkpoint
+in all (30 layer files of 12 KiB, Intel Xeon with AMX, KVM).
 `read_extents_into` reads extents and verifies their per-layer checksums. All file calls go
 through `fileio.io`.
 """
@@ -112,7 +118,6 @@ def start_append(directory: Path, committed_end: int, layers, *, names_synced: b
                 fd = backend.open(path, create=True)
             fds.append(fd)
             opened.append(path)
-            backend.allocate(fd, offset, length)
             backend.pwrite(fd, d, offset)
         names = bool(created or made or not names_synced)
         syncing = _start_sync(directory, fds, names)
@@ -208,8 +213,8 @@ SYNCER = "kvstore-sync"
 
 
 def _undo(fds: list[int], opened: list[Path], made: list[Path], committed_end: int) -> None:
-    """After a failed append: remove the files it created, give back the space it reserved in the
-    others. Best effort: the error that made the append fail is the one reported."""
+    """After a failed append: remove the files it created, cut the others back to their committed
+    end. Best effort: the error that made the append fail is the one reported."""
     try:
         close_all(fds)
     except OSError:

@@ -43,9 +43,9 @@ from sqlalchemy import bindparam, delete, insert, update
 
 from .errors import SessionBusy
 from .store import segments
-from .store.prepared import Prepared
 from .store.index import (CheckpointRow, ExtentRow, MessageRow, PrefixKeyRow, SegmentRow, SessionExtentRow, SessionRow,
                           TokenBlockRow, store_full_on_disk_full, utcnow)
+from .store.prepared import Prepared
 from .store.records import encode_tokens
 from .store.workers import serial
 
@@ -146,7 +146,9 @@ def commit_later(store, session_id: str, name: str, head: Head, change: Change) 
     of a Change is not changed by its maker. Once the interpreter is shutting down the commit runs
     here."""
     if change.kv is not None and not (change.kv_owned and _on_cpu(change.kv)):
-        change = replace(change, kv=torch.stack(list(change.kv)).to("cpu"), kv_owned=True)
+        # a list is copied by the stack; a tensor (a paged cache's rows on a GPU) only on its way to the CPU
+        kv = change.kv if isinstance(change.kv, torch.Tensor) else torch.stack(list(change.kv))
+        change = replace(change, kv=kv.to("cpu", copy=kv is change.kv), kv_owned=True)
     try:
         return serial(COMMITTER).submit(lambda: commit_now(store, session_id, name, head, change).result())
     except RuntimeError:  # no new threads' work at shutdown
@@ -161,16 +163,16 @@ def _add_rows(db, session_id: str, head: Head, change: Change, written: segments
     """Insert the checkpoint's rows (see the module's docstring, step 3)."""
     n_tokens = len(change.tokens)
     ADD_CHECKPOINT(db, {"session_id": session_id, "seq": head.seq + 1, "n_tokens": n_tokens,
-                         "n_cached": change.n_cached, "reason": change.reason, "created_at": utcnow()})
+                        "n_cached": change.n_cached, "reason": change.reason, "created_at": utcnow()})
     if written is not None:
         SEGMENT_GROWS(db, {"p_id": session_id, "committed_end": written.end})
         extent_id = ADD_EXTENT(db, {"segment_id": session_id, "offset": written.offset, "n_tokens": written.n_tokens,
                                     "checksums": written.checksums}).fetchone()[0]
         ADD_SESSION_EXTENT(db, {"session_id": session_id, "start": head.n_cached, "extent_id": extent_id,
-                                 "n_tokens": change.n_cached - head.n_cached})
+                                "n_tokens": change.n_cached - head.n_cached})
     if n_tokens > head.n_tokens:
         ADD_TOKENS(db, {"session_id": session_id, "start": head.n_tokens,
-                         "ids": encode_tokens(change.tokens[head.n_tokens:])})
+                        "ids": encode_tokens(change.tokens[head.n_tokens:])})
     if change.prefix_keys:
         ADD_PREFIX_KEYS(db, [{"session_id": session_id, "position": b, "key": k} for b, k in change.prefix_keys])
     for m in change.messages:

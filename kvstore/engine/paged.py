@@ -225,9 +225,10 @@ class PagedCache:
         rows = self.gather(layer, end)  # [end, 2, n_kv, hd]
         return rows[:, 0].transpose(0, 1).unsqueeze(0), rows[:, 1].transpose(0, 1).unsqueeze(0)
 
-    def gather(self, layer: int, end: int, start: int = 0) -> torch.Tensor:
-        """Positions start..end-1 of `layer` as contiguous rows `[end - start, 2, n_kv, hd]` (a copy)."""
-        return self.pool.flat(layer).index_select(0, self.rows(start, end))
+    def gather(self, layer: int, end: int, start: int = 0, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Positions start..end-1 of `layer` as contiguous rows `[end - start, 2, n_kv, hd]` (a copy;
+        into `out` when given)."""
+        return torch.index_select(self.pool.flat(layer), 0, self.rows(start, end), out=out)
 
     @contextmanager
     def filling(self, end: int) -> Iterator[list[torch.Tensor]]:
@@ -262,11 +263,10 @@ class PagedCache:
         checkpoint committed behind the caller need not copy again."""
         end = self.length if end is None else end
         assert 0 <= start <= end <= self.length, (start, end, self.length)
-        rows = self.rows(start, end)  # the same rows in every layer
         out = torch.empty((self.n_layers, end - start, 2, self.n_kv_heads, self.head_dim), dtype=self.dtype,
                           device=self.device)
         for i in range(self.n_layers):
-            torch.index_select(self.pool.flat(i), 0, rows, out=out[i])
+            self.gather(i, end, start, out=out[i])
         return out
 
     def trim(self, n: int) -> None:

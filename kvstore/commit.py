@@ -21,6 +21,9 @@ that changed, the generation in progress and the sampler settings. Then, in one 
 `commit_later` runs the same `commit` on the committing thread (one per process, commits in the
 order handed over) and returns at once: a generation goes on decoding while its automatic
 checkpoint's files and index sync, instead of waiting for two durable flushes every interval. The
+checkpoints handed over while that thread was busy (sessions decoding in one batched step reach
+theirs together) are committed together, steps 1-4 each taken once for all of them: one
+transaction, one sync (`commit_group`), each checkpoint's outcome its own. The
 change it is given must not move meanwhile: its KV rows are copied first. The checkpoint counts as
 done (acknowledged) only once the future has its head: the session keeps the old head until then.
 
@@ -33,6 +36,8 @@ costs more than the SQL. For the same reason the KV rows of all layers are copie
 
 from __future__ import annotations
 
+import os
+import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
@@ -50,6 +55,7 @@ from .store.records import encode_tokens
 from .store.workers import serial
 
 COMMITTER = "kvstore-commit"  # the committing thread's name
+MAX_GROUP = 64  # checkpoints committed together at most (`commit_group`)
 
 # The head moves with a compare-and-set on (id, head); `p_` names the WHERE parameters (a SET
 # column's own name is taken).
@@ -96,35 +102,102 @@ class Change:
     kv_owned: bool = False  # kv holds copies of its own (a paged cache's `state`), not views of the cache
 
 
+@dataclass(frozen=True)
+class ToCommit:
+    """One session's checkpoint handed to `commit_group`."""
+    session_id: str
+    name: str
+    head: Head
+    change: Change
+
+
 def commit(store, session_id: str, name: str, head: Head, change: Change) -> Head:
     """Commit `change` (see the module's docstring); the new head. SessionBusy, with nothing
     written, when another writer moved the head since `head`; StoreFull when the disk is full."""
-    n_tokens = len(change.tokens)
-    with store_full_on_disk_full(f"checkpoint of {name!r}"), store.engine.begin() as db:
-        moved = HEAD_MOVES(db, {
-            "p_id": session_id, "p_head": head.seq, "head": head.seq + 1, "n_tokens": n_tokens,
-            "n_cached": change.n_cached, "active_call": change.active_call, "last_hidden": change.hidden,
-            "sampler": change.sampler, "checkpoint_every": change.checkpoint_every, "n_reusable": change.n_reusable,
-            "updated_at": utcnow()})
-        if moved.rowcount != 1:
-            raise SessionBusy(f"session {name!r} was changed or deleted by someone else since it was "
-                              "opened; nothing was committed. Open it again")
-        end, appending = head.committed_end, None
-        if change.kv is not None:
-            layers = (change.kv.to("cpu").contiguous() if isinstance(change.kv, torch.Tensor)
-                      else [t.to("cpu").contiguous() for t in change.kv])
-            appending = segments.start_append(store.session_dir(session_id), head.committed_end, layers,
-                                              names_synced=head.names_synced)
-            end = appending.written.end
-        try:  # the rows, while the layer files sync
-            _add_rows(db, session_id, head, change, appending.written if appending else None)
-        except Exception:
-            if appending is not None:
-                appending.abandon()
-            raise
-        if appending is not None:
-            appending.finish()  # durable before the commit (C4)
-    return replace(head, seq=head.seq + 1, n_tokens=n_tokens, n_cached=change.n_cached, committed_end=end,
+    outcome = _commit_together(store, [ToCommit(session_id, name, head, change)])[0]
+    if isinstance(outcome, BaseException):
+        raise outcome
+    return outcome
+
+
+def commit_group(store, checkpoints: list[ToCommit]) -> list[Head | Exception]:
+    """Commit the checkpoints of several sessions of one store (a group commit): each one's outcome,
+    its new head or its error, as `commit` gives it alone. Together they take one transaction and
+    one sync (`segments.start_sync`), where each alone takes its own begin, commit and sync: the
+    committing thread's CPU and the file system's journal commits, beside the decode, once for all
+    the checkpoints that queued while the one before committed. A moved head (SessionBusy) fails its
+    own checkpoint only; a failure of the begin (the index's lock not given in time) fails all of
+    them; any other (a full disk, a failed insert) rolls the group back, and each is then committed
+    alone, so that it fails the checkpoint it belongs to and no other."""
+    if len(checkpoints) > 1:
+        began: list[bool] = []
+        try:
+            return _commit_together(store, checkpoints, began)
+        except Exception as e:  # noqa: BLE001 -- each one's own outcome below
+            if not began:
+                return [e] * len(checkpoints)
+    outcomes: list[Head | Exception] = []
+    for c in checkpoints:
+        try:
+            outcomes.append(commit(store, c.session_id, c.name, c.head, c.change))
+        except Exception as e:  # noqa: BLE001 -- this checkpoint's outcome
+            outcomes.append(e)
+    return outcomes
+
+
+def _commit_together(store, checkpoints: list[ToCommit], began: list[bool] | None = None) -> list[Head | SessionBusy]:
+    """The module's steps 1-4 for all of `checkpoints` in one transaction: every head moved and every
+    extent written, one sync started for all, every one's rows inserted while it runs, commit once
+    it has finished. A head found moved is that checkpoint's outcome (SessionBusy) and the others
+    go on; any other failure is raised, with nothing committed. `began` gets an item once the
+    transaction has begun."""
+    outcomes: list[Head | SessionBusy | None] = [None] * len(checkpoints)
+    written: dict[int, segments.Appending] = {}
+    what = (f"checkpoint of {checkpoints[0].name!r}" if len(checkpoints) == 1
+            else f"checkpoints of {len(checkpoints)} sessions")
+    try:
+        with store_full_on_disk_full(what), store.engine.begin() as db:
+            if began is not None:
+                began.append(True)
+            for i, c in enumerate(checkpoints):
+                if not _head_moves(db, c):
+                    outcomes[i] = SessionBusy(f"session {c.name!r} was changed or deleted by someone else since it "
+                                              "was opened; nothing was committed. Open it again")
+                elif c.change.kv is not None:
+                    kv = c.change.kv
+                    layers = kv.to("cpu").contiguous() if isinstance(kv, torch.Tensor) else [t.to("cpu").contiguous()
+                                                                                              for t in kv]
+                    written[i] = segments.write_extent(store.session_dir(c.session_id), c.head.committed_end, layers,
+                                                       names_synced=c.head.names_synced)
+            segments.start_sync(list(written.values()))
+            for i, c in enumerate(checkpoints):  # the rows, while the layer files sync
+                if outcomes[i] is None:
+                    _add_rows(db, c.session_id, c.head, c.change, written[i].written if i in written else None)
+            for appending in written.values():
+                appending.finish()  # durable before the commit (C4)
+    except BaseException:
+        for appending in written.values():
+            appending.abandon()
+        raise
+    return [outcome if outcome is not None else _new_head(c, written.get(i))
+            for i, (c, outcome) in enumerate(zip(checkpoints, outcomes))]
+
+
+def _head_moves(db, c: ToCommit) -> bool:
+    """Step 1: the compare-and-set of the head; False when another writer moved it."""
+    change = c.change
+    moved = HEAD_MOVES(db, {
+        "p_id": c.session_id, "p_head": c.head.seq, "head": c.head.seq + 1, "n_tokens": len(change.tokens),
+        "n_cached": change.n_cached, "active_call": change.active_call, "last_hidden": change.hidden,
+        "sampler": change.sampler, "checkpoint_every": change.checkpoint_every, "n_reusable": change.n_reusable,
+        "updated_at": utcnow()})
+    return moved.rowcount == 1
+
+
+def _new_head(c: ToCommit, appending: segments.Appending | None) -> Head:
+    head, change = c.head, c.change
+    return replace(head, seq=head.seq + 1, n_tokens=len(change.tokens), n_cached=change.n_cached,
+                   committed_end=appending.written.end if appending is not None else head.committed_end,
                    n_reusable=change.n_reusable, names_synced=head.names_synced or change.kv is not None)
 
 
@@ -143,16 +216,69 @@ def commit_later(store, session_id: str, name: str, head: Head, change: Change) 
     """`commit_now` on the committing thread: its future at once. The change's KV rows are copied
     here first, all layers into one CPU tensor (the cache they are views of may be trimmed and
     written again meanwhile), unless they are CPU copies of their own already (`kv_owned`); the rest
-    of a Change is not changed by its maker. Once the interpreter is shutting down the commit runs
-    here."""
+    of a Change is not changed by its maker. The committing thread takes every checkpoint handed
+    over while it was busy at once, and commits those of one store together (`commit_group`).
+    Once the interpreter is shutting down the commit runs here."""
     if change.kv is not None and not (change.kv_owned and _on_cpu(change.kv)):
         # a list is copied by the stack; a tensor (a paged cache's rows on a GPU) only on its way to the CPU
         kv = change.kv if isinstance(change.kv, torch.Tensor) else torch.stack(list(change.kv))
         change = replace(change, kv=kv.to("cpu", copy=kv is change.kv), kv_owned=True)
+    done: Future = Future()
+    with _handed_lock:
+        _handed.append(_Handed(store, ToCommit(session_id, name, head, change), done))
     try:
-        return serial(COMMITTER).submit(lambda: commit_now(store, session_id, name, head, change).result())
+        serial(COMMITTER).submit(_commit_handed)
     except RuntimeError:  # no new threads' work at shutdown
-        return commit_now(store, session_id, name, head, change)
+        _commit_handed()
+    return done
+
+
+@dataclass
+class _Handed:
+    store: Any
+    checkpoint: ToCommit
+    done: Future
+
+
+_handed: list[_Handed] = []  # checkpoints handed over (`commit_later`) that the committing thread has not taken yet
+_handed_lock = threading.Lock()
+
+
+def _forget_handed() -> None:  # in a forked child: the parent's checkpoints are the parent's to commit
+    global _handed, _handed_lock
+    _handed, _handed_lock = [], threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_handed)
+
+
+def _commit_handed() -> None:
+    """Take every checkpoint handed over so far and commit them, in the order handed, in groups
+    (`commit_group`) of one store and distinct sessions; each future gets its outcome. A call that
+    finds them taken by the one before does nothing."""
+    with _handed_lock:
+        taken, _handed[:] = list(_handed), []
+    groups: list[list[_Handed]] = []
+    for h in taken:
+        group = groups[-1] if groups else None
+        if (group is None or group[0].store is not h.store or len(group) >= MAX_GROUP
+                or any(g.checkpoint.session_id == h.checkpoint.session_id for g in group)):
+            groups.append([h])
+        else:
+            group.append(h)
+    for group in groups:
+        started = time.perf_counter()
+        try:
+            outcomes = commit_group(group[0].store, [h.checkpoint for h in group])
+        except BaseException as e:  # noqa: BLE001 -- every caller's, through its future
+            outcomes = [e] * len(group)
+        seconds = time.perf_counter() - started
+        for h, outcome in zip(group, outcomes):
+            if isinstance(outcome, BaseException):
+                h.done.set_exception(outcome)
+            else:
+                h.done.set_result((outcome, seconds))
 
 
 def _on_cpu(kv: list[torch.Tensor] | torch.Tensor) -> bool:

@@ -66,6 +66,10 @@ class PosixIO:
     def size(self, fd: int) -> int:
         return os.fstat(fd).st_size
 
+    def device(self, fd: int) -> int:
+        """The file system the file is on (`st_dev`): one syncfs covers the files of one device."""
+        return os.fstat(fd).st_dev
+
     def allocate(self, fd: int, offset: int, length: int) -> None:
         if length > 0:
             os.posix_fallocate(fd, offset, length)

@@ -5,7 +5,9 @@ same token range in every layer file, at the same page-aligned offset (C5: new b
 page with committed ones). `start_append` writes with pwrite, and starts the fsync of the files
 (`fileio.PosixIO.fsync_files`: one syncfs where that is as safe) and of the directory when it
 created files on the syncing thread; the caller may prepare its index rows meanwhile, and commits
-the extent once `Appending.finish` says it is durable (`append` does both at once).
+the extent once `Appending.finish` says it is durable (`append` does both at once). A group commit
+writes the extents of several sessions (`write_extent`) and starts one sync for all of them
+(`start_sync`).
 
 A full disk is StoreFull with nothing committed, from the write itself (the file systems we run on
 reserve the space of a buffered write when it is made) or, where space is only found at writeback,
@@ -100,6 +102,15 @@ def start_append(directory: Path, committed_end: int, layers, *, names_synced: b
     caller has not yet made the names durable itself (`names_synced`): files found on disk may
     have been created by a writer that died before its directory fsync.
     """
+    appending = write_extent(directory, committed_end, layers, names_synced=names_synced)
+    start_sync([appending])
+    return appending
+
+
+def write_extent(directory: Path, committed_end: int, layers, *, names_synced: bool = False) -> "Appending":
+    """`start_append` without the sync: the extent written, not yet durable. The caller starts its
+    sync (`start_sync`, which takes the extents of several sessions at once: a group commit) or
+    abandons it. On a failed write nothing is left of it (StoreFull when the disk is full)."""
     offset = align(committed_end)
     data = layer_bytes(layers)
     length = data[0].nbytes
@@ -107,7 +118,7 @@ def start_append(directory: Path, committed_end: int, layers, *, names_synced: b
     fds: list[int] = []
     opened: list[Path] = []
     made: list[Path] = []  # files this call created
-    backend = io.backend  # the same backend for every call of this append (a checkpoint runs 90 of them)
+    backend = io.backend  # the same backend for every call of this append (a checkpoint runs 60 of them)
     try:
         created = backend.mkdir(directory)
         for path, d in zip(layer_paths(directory, len(data)), data):
@@ -119,13 +130,23 @@ def start_append(directory: Path, committed_end: int, layers, *, names_synced: b
             fds.append(fd)
             opened.append(path)
             backend.pwrite(fd, d, offset)
-        names = bool(created or made or not names_synced)
-        syncing = _start_sync(directory, fds, names)
     except OSError as e:
         _undo(fds, opened, made, committed_end)
         reraise_full(e, f"writing KV to {directory.name}")
     return Appending(Written(offset, len(layers[0]), checksums, offset + length), directory, fds, opened, made,
-                     committed_end, syncing)
+                     committed_end, names=bool(created or made or not names_synced))
+
+
+def start_sync(appendings: list["Appending"]) -> None:
+    """Start making these written extents durable on the syncing thread (`_sync`): one sync of the
+    file system for all of them where that is as safe, so the checkpoints of several sessions
+    committed together (`commit.commit_group`) wait for the disk once. Returns once the sync waits
+    for the disk (`_start_sync`); each extent's `finish` waits for it to end."""
+    if not appendings:
+        return
+    syncing = _start_sync(appendings)
+    for a in appendings:
+        a.syncing = syncing
 
 
 def _open_existing(backend, path: Path) -> int | None:
@@ -135,18 +156,18 @@ def _open_existing(backend, path: Path) -> int | None:
         return None
 
 
-def _start_sync(directory: Path, fds: list[int], names: bool) -> Future:
+def _start_sync(appendings: list["Appending"]) -> Future:
     """`_sync` on the syncing thread, returning once it waits for the disk: left to compete for the
     GIL and the cores with this thread's next Python, it could start late, after the work it was to
     overlap. In this thread once the interpreter is shutting down (a session closed at exit: no new
     work is taken then); its outcome in the future all the same."""
     waiting = threading.Event()
     try:
-        syncing = serial(SYNCER).submit(_sync, directory, fds, names, waiting.set)
+        syncing = serial(SYNCER).submit(_sync, appendings, waiting.set)
     except RuntimeError:
         syncing = Future()
         try:
-            _sync(directory, fds, names)
+            _sync(appendings)
         except OSError as e:
             syncing.set_exception(e)
         else:
@@ -156,21 +177,32 @@ def _start_sync(directory: Path, fds: list[int], names: bool) -> Future:
     return syncing
 
 
-def _sync(directory: Path, fds: list[int], names: bool, started: Callable[[], None] = lambda: None) -> None:
-    """The layer files' data (one syncfs where that is as safe), then the names when they may not be
-    durable yet; `started()` once the first call waits for the disk (or this fails before)."""
+def _sync(appendings: list["Appending"], started: Callable[[], None] = lambda: None) -> None:
+    """The extents' layer files' data (`fileio.PosixIO.fsync_files`: one syncfs per file system where
+    that is as safe), then the names of the directories whose names may not be durable yet, and
+    their parent; `started()` once the first call waits for the disk (or this fails before)."""
     try:
-        io.fsync_files(fds, started)
-        if names:
+        if len(appendings) == 1:
+            io.fsync_files(appendings[0].fds, started)
+        else:
+            by_device: dict[int, list[int]] = {}
+            for a in appendings:
+                by_device.setdefault(io.device(a.fds[0]), []).extend(a.fds)
+            for fds in by_device.values():
+                io.fsync_files(fds, started)
+        named = [a.directory for a in appendings if a.names]
+        for directory in named:
             io.fsync_dir(directory)
-            io.fsync_dir(directory.parent)
+        for parent in dict.fromkeys(d.parent for d in named):
+            io.fsync_dir(parent)
     finally:
         started()
 
 
 @dataclass
 class Appending:
-    """An extent written to its layer files, their sync under way (`start_append`)."""
+    """An extent written to its layer files (`write_extent`), their sync under way once started
+    (`start_sync`)."""
 
     written: Written
     directory: Path
@@ -178,17 +210,20 @@ class Appending:
     opened: list[Path]
     made: list[Path]
     committed_end: int
-    syncing: Future
+    names: bool  # the directory's names must be made durable too (files made, or found unsynced)
+    syncing: Future | None = None
 
     def finish(self) -> Written:
         """Wait until the extent is durable and close its files; on a failed sync, undo what was
         written (StoreFull when the disk is full) as a failed write would."""
+        assert self.syncing is not None, "start_sync first"
         try:
             self.syncing.result()
             fds, self.fds = self.fds, []
             close_all(fds)
         except OSError as e:
-            _undo(self.fds, self.opened, self.made, self.committed_end)
+            fds, self.fds = self.fds, []  # closed once: a later `abandon` must not close numbers reused since
+            _undo(fds, self.opened, self.made, self.committed_end)
             reraise_full(e, f"writing KV to {self.directory.name}")
         return self.written
 
@@ -197,7 +232,8 @@ class Appending:
         the files. The bytes stay past the committed end, as a killed writer's would, until an open
         truncates them (`truncate_uncommitted`)."""
         try:
-            self.syncing.result()
+            if self.syncing is not None:
+                self.syncing.result()
         except OSError:
             pass
         try:

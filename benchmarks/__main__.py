@@ -271,11 +271,16 @@ def _save_restore(store, model, hf, llama, cfg: dict, workdir: Path) -> dict:
     return kv.save_restore(store, model, peers, cfg["save_lengths"], cfg["reps"], workdir, log=log)
 
 
+QUEUED_SESSIONS = 8  # sessions whose checkpoints are handed over at once (the checkpoint phase)
+
+
 def _checkpoint(store, model, cfg: dict) -> dict:
     from . import store as kv
 
-    return kv.checkpoint_overhead(store, model, cfg["intervals"], cfg["reps"] + 1, cfg["decode_new"],
-                                  cfg["decode_prompt"], log=log)
+    out = kv.checkpoint_overhead(store, model, cfg["intervals"], cfg["reps"] + 1, cfg["decode_new"],
+                                 cfg["decode_prompt"], log=log)
+    out["queued"] = kv.queued_checkpoints(store, model, QUEUED_SESSIONS, 2 * cfg["reps"] + 1, log=log)
+    return out
 
 
 def _forks(store, model, cfg: dict) -> dict:

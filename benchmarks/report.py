@@ -520,6 +520,13 @@ def checkpoint_section(r: dict) -> list[str]:
         timed = span(x["overhead_pct_timed"], unit=" %") if "overhead_pct_timed" in x else "not measured"
         lines.append(f"| {k} | {span(x['tok_s'])} | {x['overhead_pct']:.1f} % | "
                      f"{span(x['overhead_pct_paired'], unit=' %')} | {timed} | {x['ms_per_checkpoint']:.1f} |")
+    if q := c.get("queued"):
+        lines += ["", f"Checkpoints of {q['sessions']} sessions handed over at once ({q['new_tokens']} new tokens "
+                  f"each, after a {label(q['prompt_tokens'])}-token prompt), as the sessions of a batched decode step "
+                  f"reach theirs: all durable in {span(q['together_s'], scale=1e3, unit=' ms')} (those that "
+                  "queue while the committing thread is busy commit together: one transaction, one sync), against "
+                  f"{span(q['alone_s'], scale=1e3, unit=' ms')} for the same committed one by one, each waited for "
+                  f"({q['together_s']['n']} repetitions of each, alternated)."]
     return lines + ["", "![checkpoint overhead](plots/checkpoint.png)", ""]
 
 

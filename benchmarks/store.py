@@ -7,7 +7,8 @@
   process's first open); disk bytes per length;
 - save and restore of a whole session: the checkpoints a prefill commits (summed), `store.open`,
   `store.pack` and an open from the packed blobs — as one step of an A B A B rotation with peers;
-- decode with a checkpoint every k tokens vs none;
+- decode with a checkpoint every k tokens vs none; the checkpoints of several sessions handed over
+  at once (as a batched step's sessions reach theirs) against the same committed one by one;
 - forks: time and bytes on disk for 1..N forks of one session, then after each decodes a little.
 The text is Python's own standard-library source, so the KV is real KV of real text.
 
@@ -300,6 +301,42 @@ def checkpoint_overhead(store, model, intervals: list[int], reps: int, n_new: in
         log(f"  checkpoint every {every:>2}: {rate:.1f} tok/s vs {base:.1f} without, "
             f"{out['every'][str(every)]['overhead_pct']:+.1f} %; timed inside checkpoints: "
             f"{statistics.median(timed[every]):.1f} %")
+    return out
+
+
+def queued_checkpoints(store, model, n_sessions: int, reps: int, n_new: int = 16, prompt: int = 64,
+                       log=print) -> dict:
+    """The seconds until the automatic checkpoints of n_sessions sessions (n_new decoded tokens each),
+    handed over at once as a batched step's sessions reach theirs, are all durable (`commit_later`:
+    those that queue while the committing thread is busy commit together, `commit.commit_group`),
+    against the same checkpoints each committed and waited for in turn; the two alternate, a
+    repetition each."""
+    ids = corpus_ids(model.tokenizer, prompt)
+    sessions = [store.new(f"queued{i}", model, checkpoint_every=10 ** 9) for i in range(n_sessions)]
+    decoding = []
+    for s in sessions:
+        s.append_tokens(ids)
+        decoding.append(s.generate(2 * reps * n_new + 1, stop_at_eos=False))
+    seconds: dict[str, list[float]] = {"together": [], "alone": []}
+    for rep in range(2 * reps):
+        for d in decoding:
+            for _ in range(n_new):
+                next(d)
+        together = rep % 2 == 0
+        start = time.perf_counter()
+        for s in sessions:
+            s.checkpoint("auto", wait=not together)
+        for s in sessions:
+            s.settle()
+        seconds["together" if together else "alone"].append(time.perf_counter() - start)
+    for d, s in zip(decoding, sessions):
+        d.close()
+        s.close()
+        store.delete(s.name)
+    out = {"sessions": n_sessions, "new_tokens": n_new, "prompt_tokens": len(ids),
+           "together_s": spread(seconds["together"]), "alone_s": spread(seconds["alone"])}
+    log(f"  checkpoints of {n_sessions} sessions handed over at once: {1e3 * out['together_s']['median']:.1f} ms "
+        f"until all are durable, {1e3 * out['alone_s']['median']:.1f} ms one by one")
     return out
 
 

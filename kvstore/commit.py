@@ -255,8 +255,9 @@ if hasattr(os, "register_at_fork"):
 
 def _commit_handed() -> None:
     """Take every checkpoint handed over so far and commit them, in the order handed, in groups
-    (`commit_group`) of one store and distinct sessions; each future gets its outcome. A call that
-    finds them taken by the one before does nothing."""
+    (`commit_group`) of one store and distinct sessions; each future gets its outcome, and as the
+    seconds its commit took those of its group. A call that finds them taken by the one before does
+    nothing."""
     with _handed_lock:
         taken, _handed[:] = list(_handed), []
     groups: list[list[_Handed]] = []

@@ -163,10 +163,9 @@ def _commit_together(store, checkpoints: list[ToCommit], began: list[bool] | Non
                 if not _head_moves(db, c):
                     outcomes[i] = SessionBusy(f"session {c.name!r} was changed or deleted by someone else since it "
                                               "was opened; nothing was committed. Open it again")
-                elif c.change.kv is not None:
+                elif c.change.kv is not None:  # on the CPU (`write_extent` takes the bytes of contiguous rows)
                     kv = c.change.kv
-                    layers = kv.to("cpu").contiguous() if isinstance(kv, torch.Tensor) else [t.to("cpu").contiguous()
-                                                                                              for t in kv]
+                    layers = kv.to("cpu") if isinstance(kv, torch.Tensor) else [t.to("cpu") for t in kv]
                     written[i] = segments.write_extent(store.session_dir(c.session_id), c.head.committed_end, layers,
                                                        names_synced=c.head.names_synced)
             segments.start_sync(list(written.values()))

@@ -38,6 +38,7 @@ class Counting(fileio.PosixIO):
     def __init__(self, full: Path | None = None):
         self.syncs = 0
         self.full = full
+        self._paths: dict[int, Path] = {}  # what each open descriptor is
 
     def fsync_files(self, fds, started=lambda: None):
         self.syncs += 1
@@ -45,7 +46,6 @@ class Counting(fileio.PosixIO):
 
     def open(self, path: Path, *, create: bool = False) -> int:
         fd = super().open(path, create=create)
-        self._paths = getattr(self, "_paths", {})
         self._paths[fd] = Path(path)
         return fd
 

@@ -17,11 +17,13 @@ native layer stack), on the same torch threads:
 
 Each part is timed warm (called again and again: what it reads partly still in the caches) and cold
 (before each call the read above, of a buffer at least four times the last-level cache, pushes its
-bytes out of them). A step meets its parts between the two: its 100+ MB stream through the caches,
-some of it still there from the step before. What a step spends beyond its parts (norms, rotary,
+bytes out of them), and in a step: the time the part's kernel calls take inside real decode steps
+(the same decode as `step`, `new` tokens under torch.profiler: each call's own time on the calling
+thread, per token; the head is the product whose weights are the output matrix). A part in a step
+may be slower than cold: the step's other reads (the weights, the head and every layer's cache, each
+read once per step) share the caches with it. What a step spends beyond its parts (norms, rotary,
 SwiGLU, the cache copy, allocation, dispatch, starting and ending the parallel regions, Python,
-sampling) is not split out: the step's time less the parts' depends on which of the two the parts are
-taken at.
+sampling) is the step less its parts in a step, give or take the profiler's own cost.
 
 Figures depend on the machine (the report names the CPU); nothing here is a target.
 """
@@ -121,6 +123,39 @@ def step_s(model, context: int, new: int) -> float:
     return statistics.median(b - a for a, b in zip(stamps, stamps[1:]))
 
 
+def in_step(model, context: int, new: int) -> dict:
+    """Seconds per generated token that the parts' kernel calls take inside decode steps after
+    `context` prompt tokens (greedy, as `step_s` decodes): {"products", "head", "attention"}, each the
+    calls' own time on the calling thread (torch.profiler's self time), and "step_profiled", the
+    steps' time under the profiler."""
+    import kvstore
+    from torch.profiler import ProfilerActivity, profile
+
+    head_shape = list(model.net.lm_head.data.shape)  # the packed output matrix, as the profiler records it
+    seq = kvstore.Sequence(model)
+    for _ in seq.extend(synthetic_prompt(context, model.config.vocab_size)):
+        pass
+    tokens = seq.generate(kvstore.SamplerSettings(), seed=0, max_new_tokens=new + 1)
+    try:
+        next(tokens)  # the first token after the prefill: not a decode step's
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+            start = time.perf_counter()
+            for _ in range(new):
+                next(tokens)
+            elapsed = time.perf_counter() - start
+    finally:
+        tokens.close()
+        seq.close()
+    spent = {"products": 0.0, "head": 0.0, "attention": 0.0}  # microseconds, all the steps
+    for e in prof.key_averages(group_by_input_shape=True):
+        if e.key == "kvstore::qgemm":
+            spent["head" if e.input_shapes and list(e.input_shapes[0]) == head_shape else "products"] += \
+                e.self_cpu_time_total
+        elif e.key == "kvstore::attention_rows":
+            spent["attention"] += e.self_cpu_time_total
+    return {k: us / 1e6 / new for k, us in spent.items()} | {"step_profiled": elapsed / new}
+
+
 def synthetic_prompt(n: int, vocab: int) -> list[int]:
     return [(17 + 31 * i) % (vocab - 1) + 1 for i in range(n)]
 
@@ -133,8 +168,8 @@ def measure(model, contexts: list[int], threads: int, reps: int, new: int) -> di
     evict = probe.buffer.sum  # a read of a buffer at least 4x the last-level cache
     out = {"threads": threads, "contexts": contexts, "read_bytes_per_s": read_rates(probe, threads)}
     out.update(product_parts(net, reps, evict))
-    out["at"] = {str(n): {"attention": attention_part(model, n, reps, evict), "step_s": step_s(model, n, new)}
-                 for n in contexts}
+    out["at"] = {str(n): {"attention": attention_part(model, n, reps, evict), "step_s": step_s(model, n, new),
+                          "in_step": in_step(model, n, new)} for n in contexts}
     return out
 
 
@@ -142,17 +177,22 @@ def table(r: dict) -> list[str]:
     bw = r["read_bytes_per_s"]
     lines = [f"read: {bw['all_threads'] / 1e9:.1f} GB/s on {r['threads']} threads, "
              f"{bw['one_thread'] / 1e9:.1f} GB/s on one", "",
-             "| context | part | ms warm | ms cold | GB/s cold | cold, share of the 2-thread read |",
-             "|---|---|---|---|---|---|"]
+             "| context | part | ms warm | ms cold | ms in a step | GB/s cold | GB/s in a step | cold, share of the "
+             "2-thread read |",
+             "|---|---|---|---|---|---|---|---|"]
     for n, at in r["at"].items():
-        parts = [("products (every layer)", r["products"]), ("head", r["head"]), ("attention", at["attention"])]
-        for name, p in parts:
-            rate = p["bytes"] / p["s"]["cold"]
+        parts = [("products (every layer)", r["products"], "products"), ("head", r["head"], "head"),
+                 ("attention", at["attention"], "attention")]
+        for name, p, key in parts:
+            rate, stepped = p["bytes"] / p["s"]["cold"], at["in_step"][key]
+            stepped_rate = f"{p['bytes'] / stepped / 1e9:.1f}" if stepped else "–"  # none: another kernel ran it
             lines.append(f"| {n} | {name} | {p['s']['warm'] * 1e3:.2f} | {p['s']['cold'] * 1e3:.2f} | "
-                         f"{rate / 1e9:.1f} | {100 * rate / bw['all_threads']:.0f} % |")
-        warm, cold = (sum(p["s"][k] for _, p in parts) for k in ("warm", "cold"))
-        lines.append(f"| {n} | the parts together | {warm * 1e3:.2f} | {cold * 1e3:.2f} | | |")
-        lines.append(f"| {n} | **a decode step** | {at['step_s'] * 1e3:.2f} | | | |")
+                         f"{stepped * 1e3:.2f} | {rate / 1e9:.1f} | {stepped_rate} | {100 * rate / bw['all_threads']:.0f} % |")
+        warm, cold = (sum(p["s"][k] for _, p, _ in parts) for k in ("warm", "cold"))
+        stepped = sum(at["in_step"][key] for _, _, key in parts)
+        lines.append(f"| {n} | the parts together | {warm * 1e3:.2f} | {cold * 1e3:.2f} | {stepped * 1e3:.2f} | | | |")
+        lines.append(f"| {n} | **a decode step** | {at['step_s'] * 1e3:.2f} | | "
+                     f"{at['in_step']['step_profiled'] * 1e3:.2f} (profiled) | | | |")
     return lines
 
 

@@ -683,7 +683,8 @@ def test_the_cuda_steps_benchmark_runs_small_on_the_cpu(capsys):
 
 def test_the_decode_parts_benchmark_splits_a_step_of_the_real_model(tmp_path, smollm2_path, capsys):
     """benchmarks/decode_parts.py times a decode step's parts (the layers' products, the head, the
-    attention over every layer's cache) warm and cold, each with the bytes it reads, beside the step."""
+    attention over every layer's cache) warm, cold and inside real decode steps, each with the bytes it
+    reads, beside the step."""
     from benchmarks import decode_parts
     from kvstore.engine import native
 
@@ -703,6 +704,10 @@ def test_the_decode_parts_benchmark_splits_a_step_of_the_real_model(tmp_path, sm
     times = [r["products"]["s"], r["head"]["s"]] + [r["at"][n]["attention"]["s"] for n in ("48", "80")]
     assert all(t["warm"] > 0 and t["cold"] > 0 for t in times)
     assert all(r["at"][n]["step_s"] > 0 for n in ("48", "80"))
+    for n in ("48", "80"):  # inside the profiled steps: every part's kernels found, within the steps' time
+        stepped = r["at"][n]["in_step"]
+        parts = [stepped[k] for k in ("products", "head", "attention")]
+        assert all(t > 0 for t in parts) and sum(parts) < stepped["step_profiled"]
     assert r["read_bytes_per_s"]["all_threads"] > 0 and r["read_bytes_per_s"]["one_thread"] > 0
     printed = capsys.readouterr().out
-    assert "| 80 | **a decode step** |" in printed and "| 48 | attention |" in printed
+    assert "| 80 | **a decode step** |" in printed and "| 48 | attention |" in printed and "ms in a step" in printed

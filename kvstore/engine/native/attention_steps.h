@@ -110,6 +110,11 @@ inline void read_in_order(const uint16_t* rows, int64_t elements) {
 // batched step of 8 sessions 0.99x at 512 positions and 0.97x at 2,048, of 16 at 512 0.98x.
 // prefetcht2 was as fast as prefetcht1, two groups ahead no faster. Elsewhere into L1 as measured
 // above (L2 not measured on AMD).
+// Also tried on that Xeon, in decode steps at 1,024 positions (alternated, 3 rounds), so that a step's
+// reads of the cache would not push the layers' weights out of the last-level cache (the layer
+// products run 1.6x faster from it): prefetchnta, and the group's rows flushed (clflushopt) after
+// its steps. The first took 2x the attention's time, the second 1.6x; neither made the products
+// faster.
 constexpr int64_t kPrefetchSlots = 4;
 
 // Sets w to prefetch the rows from..from+bytes over the n_kv KV heads' steps of one group (bytes 0:

@@ -18,10 +18,10 @@ native layer stack), on the same torch threads:
 Each part is timed warm (called again and again: what it reads partly still in the caches) and cold
 (before each call the read above, of a buffer at least four times the last-level cache, pushes its
 bytes out of them), and in a step: the time the part's kernel calls take inside real decode steps
-(the same decode as `step`, `new` tokens under torch.profiler: each call's own time on the calling
-thread, per token; the head is the product whose weights are the output matrix). A part in a step
-may be slower than cold: the step's other reads (the weights, the head and every layer's cache, each
-read once per step) share the caches with it. What a step spends beyond its parts (norms, rotary,
+(the decode that times `step`, its next `new` tokens under torch.profiler: each call's own time on
+the calling thread, per token; the head is the product whose weights are the output matrix). A part
+in a step may be slower than cold: the step's other reads (the weights, the head and every layer's
+cache, each read once per step) share the caches with it. What a step spends beyond its parts (norms, rotary,
 SwiGLU, the cache copy, allocation, dispatch, starting and ending the parallel regions, Python,
 sampling) is the step less its parts in a step, give or take the profiler's own cost.
 
@@ -112,39 +112,36 @@ def attention_part(model, context: int, reps: int, evict) -> dict:
     return {"s": seconds, "bytes": per_token * context}
 
 
-def step_s(model, context: int, new: int) -> float:
-    """The median gap between generated tokens after `context` prompt tokens (the engine benchmark's
-    decode of kvstore: greedy, in its default chunks)."""
-    from kvstore.engine.sequence import DEFAULT_CHUNK
-
-    from .engine import Ours
-
-    stamps, _ = Ours(model, DEFAULT_CHUNK, 0.0).decode(synthetic_prompt(context, model.config.vocab_size), new)
-    return statistics.median(b - a for a, b in zip(stamps, stamps[1:]))
-
-
-def in_step(model, context: int, new: int) -> dict:
-    """Seconds per generated token that the parts' kernel calls take inside decode steps after
-    `context` prompt tokens (greedy, as `step_s` decodes): {"products", "head", "attention"}, each the
-    calls' own time on the calling thread (torch.profiler's self time), and "step_profiled", the
-    steps' time under the profiler."""
+def decode_steps(model, context: int, new: int) -> tuple[float, dict]:
+    """One greedy decode after `context` prompt tokens (the engine benchmark's decode of kvstore, in
+    its default chunks), prefilled once for both of its figures:
+    - the median gap between its first `new` generated tokens (the step);
+    - for the `new` tokens after them, under torch.profiler, the seconds per token that the parts'
+      kernel calls take: {"products", "head", "attention"}, each the calls' own time on the calling
+      thread (the profiler's self time), and "step_profiled", the steps' time under the profiler."""
     import kvstore
+    from kvstore.engine.sequence import DEFAULT_CHUNK
     from torch.profiler import ProfilerActivity, profile
 
     head_shape = list(model.net.lm_head.data.shape)  # the packed output matrix, as the profiler records it
-    seq = kvstore.Sequence(model)
-    for _ in seq.extend(synthetic_prompt(context, model.config.vocab_size)):
-        pass
-    tokens = seq.generate(kvstore.SamplerSettings(), seed=0, max_new_tokens=new + 1)
+    seq = kvstore.Sequence(model, chunk_size=DEFAULT_CHUNK)
+    tokens = None
     try:
-        next(tokens)  # the first token after the prefill: not a decode step's
+        for _ in seq.extend(synthetic_prompt(context, model.config.vocab_size)):
+            pass
+        tokens = seq.generate(kvstore.SamplerSettings(), seed=0, max_new_tokens=2 * new)
+        stamps = []
+        for _ in range(new):
+            next(tokens)
+            stamps.append(time.perf_counter())
         with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
             start = time.perf_counter()
             for _ in range(new):
                 next(tokens)
             elapsed = time.perf_counter() - start
     finally:
-        tokens.close()
+        if tokens is not None:
+            tokens.close()
         seq.close()
     spent = {"products": 0.0, "head": 0.0, "attention": 0.0}  # microseconds, all the steps
     for e in prof.key_averages(group_by_input_shape=True):
@@ -153,7 +150,8 @@ def in_step(model, context: int, new: int) -> dict:
                 e.self_cpu_time_total
         elif e.key == "kvstore::attention_rows":
             spent["attention"] += e.self_cpu_time_total
-    return {k: us / 1e6 / new for k, us in spent.items()} | {"step_profiled": elapsed / new}
+    step = statistics.median(b - a for a, b in zip(stamps, stamps[1:]))
+    return step, {k: us / 1e6 / new for k, us in spent.items()} | {"step_profiled": elapsed / new}
 
 
 def synthetic_prompt(n: int, vocab: int) -> list[int]:
@@ -168,8 +166,11 @@ def measure(model, contexts: list[int], threads: int, reps: int, new: int) -> di
     evict = probe.buffer.sum  # a read of a buffer at least 4x the last-level cache
     out = {"threads": threads, "contexts": contexts, "read_bytes_per_s": read_rates(probe, threads)}
     out.update(product_parts(net, reps, evict))
-    out["at"] = {str(n): {"attention": attention_part(model, n, reps, evict), "step_s": step_s(model, n, new),
-                          "in_step": in_step(model, n, new)} for n in contexts}
+    out["at"] = {}
+    for n in contexts:
+        attention = attention_part(model, n, reps, evict)
+        step, stepped = decode_steps(model, n, new)
+        out["at"][str(n)] = {"attention": attention, "step_s": step, "in_step": stepped}
     return out
 
 
@@ -187,7 +188,8 @@ def table(r: dict) -> list[str]:
             rate, stepped = p["bytes"] / p["s"]["cold"], at["in_step"][key]
             stepped_rate = f"{p['bytes'] / stepped / 1e9:.1f}" if stepped else "–"  # none: another kernel ran it
             lines.append(f"| {n} | {name} | {p['s']['warm'] * 1e3:.2f} | {p['s']['cold'] * 1e3:.2f} | "
-                         f"{stepped * 1e3:.2f} | {rate / 1e9:.1f} | {stepped_rate} | {100 * rate / bw['all_threads']:.0f} % |")
+                         f"{stepped * 1e3:.2f} | {rate / 1e9:.1f} | {stepped_rate} | "
+                         f"{100 * rate / bw['all_threads']:.0f} % |")
         warm, cold = (sum(p["s"][k] for _, p, _ in parts) for k in ("warm", "cold"))
         stepped = sum(at["in_step"][key] for _, _, key in parts)
         lines.append(f"| {n} | the parts together | {warm * 1e3:.2f} | {cold * 1e3:.2f} | {stepped * 1e3:.2f} | | | |")

@@ -19,7 +19,10 @@ Each part is timed warm (called again and again: what it reads partly still in t
 (before each call the read above, of a buffer at least four times the last-level cache, pushes its
 bytes out of them), and in a step: the time the part's kernel calls take inside real decode steps
 (the decode that times `step`, its next `new` tokens under torch.profiler: each call's own time on
-the calling thread, per token; the head is the product whose weights are the output matrix). A part
+the calling thread, per token; the head is the product whose weights are the output matrix). The
+native layer stack runs those kernels' steps inside one call the profiler cannot see into, so the
+profiled tokens run Python's loop over the same kernels instead (the same bits; each kernel its own
+parallel region, as before the stack had one for all). A part
 in a step may be slower than cold: the step's other reads (the weights, the head and every layer's
 cache, each read once per step) share the caches with it. What a step spends beyond its parts (norms, rotary,
 SwiGLU, the cache copy, allocation, dispatch, starting and ending the parallel regions, Python,
@@ -116,9 +119,11 @@ def decode_steps(model, context: int, new: int) -> tuple[float, dict]:
     """One greedy decode after `context` prompt tokens (the engine benchmark's decode of kvstore, in
     its default chunks), prefilled once for both of its figures:
     - the median gap between its first `new` generated tokens (the step);
-    - for the `new` tokens after them, under torch.profiler, the seconds per token that the parts'
-      kernel calls take: {"products", "head", "attention"}, each the calls' own time on the calling
-      thread (the profiler's self time), and "step_profiled", the steps' time under the profiler."""
+    - for the `new` tokens after them, under torch.profiler and through Python's loop over the layers
+      (the stack's one call hides its kernels from the profiler), the seconds per token that the
+      parts' kernel calls take: {"products", "head", "attention"}, each the calls' own time on the
+      calling thread (the profiler's self time), and "step_profiled", the steps' time under the
+      profiler."""
     import kvstore
     from kvstore.engine.sequence import DEFAULT_CHUNK
     from torch.profiler import ProfilerActivity, profile
@@ -134,11 +139,15 @@ def decode_steps(model, context: int, new: int) -> tuple[float, dict]:
         for _ in range(new):
             next(tokens)
             stamps.append(time.perf_counter())
-        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
-            start = time.perf_counter()
-            for _ in range(new):
-                next(tokens)
-            elapsed = time.perf_counter() - start
+        stack, model.net._stack = model.net._stack, None  # the kernels called one by one: the same bits
+        try:
+            with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+                start = time.perf_counter()
+                for _ in range(new):
+                    next(tokens)
+                elapsed = time.perf_counter() - start
+        finally:
+            model.net._stack = stack
     finally:
         if tokens is not None:
             tokens.close()

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import kvstore
+from conftest import threads
 from engine_models import Q
 from kvstore.engine import native
 from kvstore.engine.rows import Item
@@ -172,3 +173,58 @@ def test_the_stack_stands_down_with_the_kernels_it_calls(monkeypatch):
     for choice in ("_choice", "_quant_choice"):
         monkeypatch.setattr(native, choice, None)
     assert native.layers() is None
+
+
+def long_chunks(model, ids: list[int], chunk: int):
+    """Feed `ids` in chunks of `chunk` rows but the last 6 (from 48 rows qgemm takes AMX where the CPU
+    has it; a chunk of more rows than one attention tile lays its K/V out first), then those 6 one by
+    one: every hidden state, the last logits, every K/V byte."""
+    cache = model.new_cache()
+    prompt = len(ids) - 6
+    hidden = [model.feed(ids[a:min(a + chunk, prompt)], a, cache)[-1:] for a in range(0, prompt, chunk)]
+    hidden += [model.feed(ids[p:p + 1], p, cache) for p in range(prompt, len(ids))]
+    return torch.cat(hidden), model.head(hidden[-1]), cache.state()
+
+
+@needs_stack
+@pytest.mark.parametrize("case", ["q4_1-stored", "q8_0-stored-one-kv-head"])
+def test_the_stack_keeps_the_bits_whatever_the_thread_count(tiny, case, stack_calls):
+    """The stack shares each step among the threads of one parallel region (rows, row groups,
+    attention units); which thread computes what never changes a bit: 1, 2 or 3 threads, the loop's."""
+    m, model = load(tiny, case)
+    ids = m.ids(140, seed=5)
+    runs = {}
+    for n in (1, 2, 3):
+        with threads(n):
+            runs[n] = long_chunks(model, ids, chunk=64)
+    assert len(stack_calls) == 3 * (3 + 6)
+    with python_loop(model):
+        loop = long_chunks(model, ids, chunk=64)
+    for n, ours in runs.items():
+        assert torch.equal(ours[0], loop[0]) and torch.equal(ours[1], loop[1]), f"{n} threads"
+        assert all(torch.equal(a, b) for a, b in zip(ours[2], loop[2])), f"{n} threads: K/V"
+    with threads(3):
+        many = paged_batch(model, m, steps=4)
+    with threads(1):
+        one = paged_batch(model, m, steps=4)
+    assert torch.equal(many[0], one[0])
+    assert all(torch.equal(x, y) for a, b in zip(many[1], one[1]) for x, y in zip(a, b))
+
+
+@needs_stack
+def test_the_stack_refuses_weights_that_do_not_fit_its_layers(tiny):
+    m, model = load(tiny, "q4_1-stored")
+    weights, meta, norms = model.net._stack
+    cfg = model.config
+    pool = kvstore.BlockPool.for_budget(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, dtype=model.dtype,
+                                        budget_bytes=1 << 20)
+    cache = kvstore.PagedCache(pool)
+    model.feed(m.ids(4), 0, cache)  # the pool's arguments, as a forward makes them
+    swapped, swapped_meta = list(weights), list(meta)  # layer 0's wqkv and wo change places
+    swapped[0:2], swapped_meta[0:6] = weights[1::-1], meta[3:6] + meta[0:3]
+    cos, sin = model.net.rope(4, 1)
+    x = torch.zeros(1, cfg.hidden_size, dtype=torch.bfloat16)
+    args = (cache.pools(), torch.zeros(1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.int32),
+            torch.zeros(1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), cfg.n_heads, 1e-5)
+    with pytest.raises(RuntimeError, match="llama_layers: layer 0's weight 0 is"):
+        native.layers()(x, swapped, swapped_meta, norms, cos, sin, *args)

@@ -185,7 +185,7 @@ def positions_after(pos: int, T: int) -> torch.Tensor:
         return torch.arange(pos + 1, pos + T + 1, dtype=torch.int32)
 
 
-NATIVE_MAX_GROUP = 24  # query heads per KV head the native kernel takes (attention.cpp's kTileQueries)
+NATIVE_MAX_GROUP = 24  # query heads per KV head the native kernel takes (native/attention_rows.h's kTileQueries)
 
 
 def native_rows(q: torch.Tensor, cache: KVCache | None):

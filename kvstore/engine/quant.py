@@ -6,7 +6,7 @@
   row concatenation (`cat_rows`) work on the bytes as they are. `from_gguf` takes a reader's tensor
   without copying a block; `quantize_q8_0` makes Q8_0 from a dense matrix (a safetensors model
   quantized on load); `dequantize` gives the values GGUF's own dequantizer gives.
-- `Packed`: the same blocks rearranged for the kernels (kernels_quant.cpp states the layout: rows
+- `Packed`: the same blocks rearranged for the kernels (native/qgemm.h states the layout: rows
   in groups of 16, per group and block one record of 4-byte slices with the 16 rows side by side, then
   their scales). `pack(blocks)` makes it (on the CPU in huge pages: `WEIGHT_MEMORY`); `embed(ids)` reads rows back (an embedding table kept
   quantized); `unpack()` gives quants and scales per block for the reference arithmetic.

@@ -1,5 +1,5 @@
 """The quantized matrix product in torch ops, operation for operation the native kernel's
-(kernels_quant.cpp states the arithmetic): the oracle the tests hold the kernel to (`torch.equal`),
+(native/qgemm.h states the arithmetic): the oracle the tests hold the kernel to (`torch.equal`),
 and the path that runs where the kernel cannot (KVSTORE_NATIVE=0, a CPU without AVX2, CUDA).
 
 Integer block sums are computed as float32 products of small integers, which is exact (every term

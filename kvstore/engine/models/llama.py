@@ -23,7 +23,7 @@ before, the cache's capacity or the rotary table's length (contract C1's premise
 
 Where every product is block-quantized without a bias, in bfloat16 on the CPU, and the native
 attention reads the items' caches (one cache, or one paged pool), the layer loop of `_rows` runs as
-one native call (`native.layers()`, layers.cpp): the same kernels in the same order on the same
+one native call (`native.layers()`, layers.cpp): the same kernels' steps in the same order on the same
 arguments, so the same bits (tests/test_native_layers.py), without Python's dispatch between them.
 """
 

@@ -17,9 +17,10 @@ None: KVSTORE_NATIVE=0, a CPU without AVX2, a failed build. Settled once per pro
 where it runs.
 
 `layers()` -> the `llama_layers` op of layers.cpp (a Llama forward's whole layer stack in one call,
-calling the three libraries' kernels in the order the Python loop calls them: the same bits, without
-Python's dispatch between them), or None wherever one of the three is missing or it fails to build;
-models/llama.py decides where it runs.
+running the three libraries' kernel steps (their headers: qgemm.h, kernels_bf16.h, attention_rows.h)
+in the order the Python loop calls the kernels, in one parallel region: the same bits, without
+Python's dispatch and the threads' fork and join between them), or None wherever one of the three
+is missing or it fails to build; models/llama.py decides where it runs.
 
 Bits: the two kernels round differently, so decoding is exact between runs that made the same
 choice. Every process on one machine makes the same one (unless KVSTORE_NATIVE differs); a session

@@ -2,7 +2,7 @@
 // keys for the queries of one KV head (scores, online softmax, weighted values), a partition's partial
 // folded into the ones before, the output rounded. Here for AVX512 (namespace avx512);
 // attention_steps_avx2.h has the same steps for AVX2 CPUs, lane for lane the same arithmetic.
-// Included by attention.cpp alone.
+// Included through attention_rows.h.
 #pragma once
 
 #include <ATen/core/Tensor.h>

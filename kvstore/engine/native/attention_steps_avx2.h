@@ -2,7 +2,7 @@
 // 16 keys, a partial folded, the lanes of l summed. Each of the 16 float32 lanes of the AVX512 steps
 // is a lane of one of two 8-lane halves here, and goes through the same operations in the same order
 // (the fused multiply-add scores and values, exp_nonpositive8, the fixed tree of lane_sum), so the
-// bits are the AVX512 steps', with vdpbf16ps or without. Included by attention.cpp alone.
+// bits are the AVX512 steps', with vdpbf16ps or without. Included through attention_rows.h.
 #pragma once
 
 #include "attention_steps.h"

@@ -1,10 +1,10 @@
-// kernels_bf16.cpp's row steps for CPUs with AVX2 and FMA but no AVX512-BF16 (namespace avx2). Each
+// kernels_bf16.cpp's row steps for CPUs with AVX2 and FMA but no AVX512-BF16 (namespace bf16_avx2). Each
 // of the AVX512 steps' 16 float32 lanes is a lane of one of two 8-lane halves here, through the same
 // operations in the same order: a dot product's lane adds its odd pair's product, then its even
 // pair's, each a fused multiply-add of exact products (what vdpbf16ps computes, but that it reads and
 // writes subnormals as 0); a row's lanes are summed in _mm512_reduce_add_ps's tree; rounding to
 // bfloat16 is to nearest even (where vcvtneps2bf16 also flushes subnormals). Tails are zero-padded
-// as the AVX512 masks pad them. Included by kernels_bf16.cpp alone.
+// as the AVX512 masks pad them. Included through kernels_bf16.h.
 #pragma once
 
 #include <immintrin.h>
@@ -16,7 +16,7 @@
 #include <cstring>
 
 namespace {
-namespace avx2 {
+namespace bf16_avx2 {
 
 constexpr int64_t kRows = 4;   // rows per block, as the AVX512 steps
 constexpr int64_t kAhead = 4;  // prefetch distance, in rows
@@ -140,5 +140,5 @@ KV_AVX2 void rope_head(uint16_t* x, const uint16_t* cos, const uint16_t* sin, in
   }
 }
 
-}  // namespace avx2
+}  // namespace bf16_avx2
 }  // namespace

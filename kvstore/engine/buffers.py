@@ -28,11 +28,23 @@ their own (a model's weight matrices, 0.2 to 30 MB each): reading weights from h
 TLB miss per 2 MiB instead of per 4 KiB (AMD EPYC Zen 3, KVM: a decode step's quantized products 4
 to 10 % faster). A chunk's memory goes back once the arena has moved on to the next chunk and the last
 piece cut from it is dropped; pages of a chunk never written take no memory.
+
+`populate(address, nbytes)` faults the pages of a range in, writable, in one call
+(madvise MADV_POPULATE_WRITE, Linux 5.14+; their bytes unchanged), before a decode step writes them:
+first writes inside a step cost far more per page than the same pages faulted in together. A
+single-session decode step at 1,024 positions (SmolLM2, Intel Xeon with AMX, KVM, small pages
+because free pages are reported) spent 114-227 us copying its K/V rows into the cache, about 37 us
+a fresh page (30 layers cross into a new 4 KiB page every 5.3 tokens); with each layer's next 64
+positions populated in one call, the copies took 2-3 us and the calls 14 us a step, amortized.
+Where the call is missing (an older kernel, another OS), it does nothing from then on.
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import mmap
+import os
 import threading
 from functools import lru_cache
 from pathlib import Path
@@ -41,6 +53,38 @@ from typing import Callable
 import numpy as np
 
 HUGE_PAGE = 2 << 20
+PAGE = mmap.PAGESIZE
+MADV_POPULATE_WRITE = 23  # <linux/mman.h>, Linux 5.14+
+
+
+class _Populate:
+    """madvise(MADV_POPULATE_WRITE) through libc, or nothing once it has failed (see `populate`)."""
+
+    def __init__(self):
+        self.works = os.name == "posix"
+        self._madvise = None
+
+    def __call__(self, address: int, nbytes: int) -> bool:
+        if not self.works or nbytes <= 0:
+            return False
+        if self._madvise is None:
+            try:
+                madvise = ctypes.CDLL(None, use_errno=True).madvise
+            except (OSError, AttributeError):
+                self.works = False
+                return False
+            madvise.argtypes, madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+            self._madvise = madvise
+        start = address // PAGE * PAGE  # whole pages: each holds a byte of the range, so it is mapped
+        end = -(-(address + nbytes) // PAGE) * PAGE
+        if self._madvise(start, end - start, MADV_POPULATE_WRITE) != 0:
+            if ctypes.get_errno() in (errno.EINVAL, errno.ENOSYS, errno.EPERM):  # a kernel without it
+                self.works = False
+            return False  # else (a signal, no memory now): the step's own writes fault the pages in
+        return True
+
+
+populate = _Populate()
 
 
 class BufferPool:

@@ -21,11 +21,12 @@ from typing import Iterator
 import torch
 
 from ..errors import InvalidArgument
-from .buffers import BufferPool, lasting_pages
+from .buffers import BufferPool, lasting_pages, populate
 
 GROW_STEP = 256  # capacity is a multiple of this many tokens
 BLOCK = GROW_STEP  # tokens per block of `blocks`' paged view
 HEADROOM = 1024  # room a restored cache gets beyond its tokens: the next ones do not copy it all (see `with_room`)
+POPULATE_AHEAD = 64  # positions whose pages `claim` faults in ahead of the writes (buffers.populate)
 
 
 def with_room(n_tokens: int) -> int:
@@ -64,6 +65,7 @@ class KVCache:
         capacity = -(-capacity // GROW_STEP) * GROW_STEP  # what `reserve` would give an empty cache
         self.layers: list[torch.Tensor] = [self._empty(capacity, i) for i in range(n_layers)]
         self.length = 0
+        self._populated = 0  # positions 0.._populated-1 sit in pages faulted in (or written) in every layer
         self._table = torch.zeros(1, 0, dtype=torch.int32, device=self.device)  # `blocks`' table, by capacity
         self._pools: tuple[torch.Tensor, list[torch.Tensor]] | None = None  # (layers[0] they view, `pools`)
 
@@ -95,6 +97,7 @@ class KVCache:
             self._flat[i] = None
         self.layers = [self._empty(0) for _ in range(self.n_layers)]
         self.length = 0
+        self._populated = 0
 
     def reserve(self, n_tokens: int) -> None:
         """Make room for `n_tokens` positions in total (keeps the valid prefix)."""
@@ -109,6 +112,7 @@ class KVCache:
             self.layers[i] = grown
             if old_flat is not None:
                 POOL.give(old_flat)
+        self._populated = self.length
 
     def put(self, layer: int, pos: int, kv: torch.Tensor) -> None:
         """The one write path of a forward: K/V rows `[T, 2, n_kv_heads, head_dim]` at positions
@@ -140,9 +144,20 @@ class KVCache:
         """Positions pos..end-1 made writable in every layer (room for them): their rows in each
         layer's `blocks` pool viewed flat, `[capacity, 2, n_kv_heads, head_dim]` (int64 `[end - pos]`),
         for a forward that writes every layer's rows itself (`put`'s copies, all at once); it sets
-        `length = end` afterwards, as the last layer's `put` would."""
+        `length = end` afterwards, as the last layer's `put` would. On the CPU the pages of the
+        positions up to POPULATE_AHEAD past `end` are faulted in first, in one call a layer
+        (`buffers.populate`): a decode step's own first writes into fresh pages cost it about 3 %."""
         self.reserve(end)
+        if end > self._populated and self.device.type == "cpu":
+            self._populate(max(pos, self.length, self._populated), min(self.capacity, end + POPULATE_AHEAD))
         return torch.arange(pos, end, dtype=torch.int64, device=self.device)
+
+    def _populate(self, start: int, end: int) -> None:
+        """Positions start..end-1 faulted in, in every layer (`buffers.populate`)."""
+        for buf in self.layers:
+            row = buf[0].numel() * buf.element_size()
+            populate(buf.data_ptr() + start * row, (end - start) * row)
+        self._populated = end
 
     def pools(self) -> list[torch.Tensor]:
         """Every layer's `blocks` pool (their one table: `blocks(0)[1]`), made again when the buffers change."""

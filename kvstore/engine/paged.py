@@ -30,7 +30,7 @@ from typing import Callable, Iterator
 import torch
 
 from ..errors import PoolFull, PoolTooSmall
-from .buffers import lasting_pages
+from .buffers import lasting_pages, populate
 from .cache import POOL
 
 BLOCK_TOKENS = 16  # positions per block: a multiple of the attention kernel's key group
@@ -56,6 +56,8 @@ class BlockPool:
             self.layers = [self._layer_memory(shape) for _ in range(n_layers)]
         self.refs = [0] * n_blocks
         self.free_ids = list(range(n_blocks - 1, -1, -1))  # a stack: the lowest ids first
+        # blocks whose pages are faulted in (`alloc` does it once in a block's life: buffers.populate)
+        self.populated = bytearray(n_blocks) if self.device.type == "cpu" else bytearray(b"\x01" * n_blocks)
         # blocks that hold a stored extent's rows as read from disk: (extent id, block of the extent)
         # -> block, and back; a sequence restored from the same extents shares them (`adopt_extents`)
         self.extent_blocks: dict[tuple[int, int], int] = {}
@@ -112,7 +114,24 @@ class BlockPool:
         ids = sorted(self.free_ids.pop() for _ in range(n))
         for i in ids:
             self.refs[i] = 1
+        self._populate([i for i in ids if not self.populated[i]])
         return ids
+
+    def _populate(self, ids: list[int]) -> None:
+        """The pages of blocks never used before faulted in, every layer, a run of consecutive blocks
+        in one call a layer (`buffers.populate`): before the forward that first writes them, where
+        each fresh page costs a decode step far more. Once per block: the pool keeps its memory."""
+        row_bytes = self.layers[0][0].numel() * self.dtype.itemsize  # one block of one layer
+        a = 0
+        while a < len(ids):
+            b = a + 1
+            while b < len(ids) and ids[b] == ids[b - 1] + 1:
+                b += 1
+            for layer in self.layers:
+                populate(layer.data_ptr() + ids[a] * row_bytes, (ids[b - 1] + 1 - ids[a]) * row_bytes)
+            for i in ids[a:b]:
+                self.populated[i] = 1
+            a = b
 
     def share(self, ids: list[int]) -> None:
         for i in ids:

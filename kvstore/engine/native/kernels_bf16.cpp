@@ -128,7 +128,7 @@ at::Tensor rms_norm_bf16(const at::Tensor& x_any, const at::Tensor& w_any, doubl
   uint16_t* O = bits_out(out);
   const Steps& st = steps();
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; r++) st.rms_norm_row(X + r * H, W, O + r * H, H, float(eps));
+    for (int64_t r = begin; r < end; r++) st.rms_norm_row(X + r * H, W, O + r * H, H, float(eps), 0, H);
   });
   return out;
 }

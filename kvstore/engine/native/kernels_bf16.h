@@ -60,7 +60,8 @@ void require_isa(const char* op) {
 // The row steps of this CPU's path (see bf16_isa).
 struct Steps {
   void (*dot_rows)(const uint16_t*, const uint16_t*, int64_t, int64_t, float*);
-  void (*rms_norm_row)(const uint16_t*, const uint16_t*, uint16_t*, int64_t, float);
+  // columns c0..c1-1 of the row (c0 a multiple of 16; the scale from the whole row, so the same bits)
+  void (*rms_norm_row)(const uint16_t*, const uint16_t*, uint16_t*, int64_t, float, int64_t, int64_t);
   void (*swiglu_row)(const uint16_t*, const uint16_t*, uint16_t*, int64_t);
   void (*rope_head)(uint16_t*, const uint16_t*, const uint16_t*, int64_t);
 };
@@ -73,14 +74,15 @@ KV_AVX512_BF16 inline void store16(uint16_t* p, __mmask16 m, __m512 v) {
   _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(v));
 }
 
-KV_AVX512_BF16 void rms_norm_row(const uint16_t* x, const uint16_t* w, uint16_t* out, int64_t H, float eps) {
+KV_AVX512_BF16 void rms_norm_row(const uint16_t* x, const uint16_t* w, uint16_t* out, int64_t H, float eps,
+                                 int64_t c0, int64_t c1) {
   __m512 squares = _mm512_setzero_ps();
   for (int64_t k = 0; k < H; k += 16) {
     const __m512 v = load16(x + k, lanes16(H - k));
     squares = _mm512_fmadd_ps(v, v, squares);
   }
   const __m512 scale = _mm512_set1_ps(1.0f / std::sqrt(_mm512_reduce_add_ps(squares) / float(H) + eps));
-  for (int64_t k = 0; k < H; k += 16) {
+  for (int64_t k = c0; k < c1; k += 16) {
     const __mmask16 m = lanes16(H - k);
     store16(out + k, m, _mm512_mul_ps(_mm512_mul_ps(load16(x + k, m), scale), load16(w + k, m)));
   }

@@ -104,7 +104,8 @@ KV_AVX2 inline void store8(uint16_t* p, int64_t live, __m256 v) {
   std::copy(t, t + live, p);
 }
 
-KV_AVX2 void rms_norm_row(const uint16_t* x, const uint16_t* w, uint16_t* out, int64_t H, float eps) {
+KV_AVX2 void rms_norm_row(const uint16_t* x, const uint16_t* w, uint16_t* out, int64_t H, float eps, int64_t c0,
+                          int64_t c1) {
   __m256 squares[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};  // lanes 0..7 and 8..15 of 16
   for (int64_t k = 0; k < H; k += 8) {
     const __m256 v = load8(x + k, H - k);
@@ -112,7 +113,7 @@ KV_AVX2 void rms_norm_row(const uint16_t* x, const uint16_t* w, uint16_t* out, i
     s = _mm256_fmadd_ps(v, v, s);
   }
   const __m256 scale = _mm256_set1_ps(1.0f / std::sqrt(sum16(squares[0], squares[1]) / float(H) + eps));
-  for (int64_t k = 0; k < H; k += 8)
+  for (int64_t k = c0; k < c1; k += 8)
     store8(out + k, H - k, _mm256_mul_ps(_mm256_mul_ps(load8(x + k, H - k), scale), load8(w + k, H - k)));
 }
 

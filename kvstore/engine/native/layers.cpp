@@ -198,19 +198,34 @@ at::Tensor llama_layers(const at::Tensor& x_in, at::TensorList weights, at::IntA
   {
     const int64_t tid = omp_get_thread_num(), team = omp_get_num_threads();
     const auto [rb, re] = share(R, kRowGrain, tid, team);  // this thread's rows in the row-wise steps
+    const bool few_rows = team > 1 && R < kRowGrain * team;
     uint8_t* b_mine = b_bytes ? b_all + tid * b_bytes : nullptr;
     Work& w = works[tid];
     const auto groups = [&](const kvq::Product& p) {  // this thread's row groups of a product
       const auto [gb, ge] = share(p.groups, 1, tid, team);
       kvq::row_groups(p, gb, ge, b_mine);
     };
+    // this thread's part of a row-wise step over rows of `cols` columns: fn(row, c0, c1) for columns
+    // c0..c1-1. Whole rows (rb..re) where there are enough for every thread; else, fewer rows than
+    // that (a decode step's one row, a batch's few), every row's quant blocks shared out instead, so
+    // that no thread waits while one does them all
+    const auto row_parts = [&](int64_t cols, const auto& fn) {
+      if (!few_rows) {
+        for (int64_t r = rb; r < re; r++) fn(r, 0, cols);
+        return;
+      }
+      const auto [b0, b1] = share(cols / kvq::kBlock, 1, tid, team);
+      for (int64_t r = 0; r < R && b1 > b0; r++) fn(r, b0 * kvq::kBlock, std::min(b1 * kvq::kBlock, cols));
+    };
     for (int64_t i = 0; i < n_layers; i++) {
       const kvq::Product* P = &products[kWeights * i];
       const auto* norm1 = static_cast<const uint16_t*>(norms[kNorms * i].data_ptr());
       const auto* norm2 = static_cast<const uint16_t*>(norms[kNorms * i + 1].data_ptr());
       // 1. qkv's input: rms_norm(x) per row, quantized
-      for (int64_t r = rb; r < re; r++) bf.rms_norm_row(X + r * H, norm1, XN + r * H, H, eps_f);
-      kvq::quantize_rows(P[0], rb, re);
+      row_parts(H, [&](int64_t r, int64_t c0, int64_t c1) {
+        bf.rms_norm_row(X + r * H, norm1, XN + r * H, H, eps_f, c0, c1);
+        kvq::quantize_blocks(P[0], r, c0 / kvq::kBlock, c1 / kvq::kBlock);
+      });
 #pragma omp barrier
       groups(P[0]);  // 2. qkv = wqkv . normed
 #pragma omp barrier
@@ -237,19 +252,25 @@ at::Tensor llama_layers(const at::Tensor& x_in, at::TensorList weights, at::IntA
 #pragma omp barrier
         }
       }
-      kvq::quantize_rows(P[1], rb, re);  // 5. wo's input: the attention's rows, quantized
+      row_parts(q_end, [&](int64_t r, int64_t c0, int64_t c1) {  // 5. wo's input: the attention's rows, quantized
+        kvq::quantize_blocks(P[1], r, c0 / kvq::kBlock, c1 / kvq::kBlock);
+      });
 #pragma omp barrier
       groups(P[1]);  // 6. x += wo . o
 #pragma omp barrier
       // 7. gate_up's input: rms_norm(x) per row, quantized
-      for (int64_t r = rb; r < re; r++) bf.rms_norm_row(X + r * H, norm2, XN + r * H, H, eps_f);
-      kvq::quantize_rows(P[2], rb, re);
+      row_parts(H, [&](int64_t r, int64_t c0, int64_t c1) {
+        bf.rms_norm_row(X + r * H, norm2, XN + r * H, H, eps_f, c0, c1);
+        kvq::quantize_blocks(P[2], r, c0 / kvq::kBlock, c1 / kvq::kBlock);
+      });
 #pragma omp barrier
       groups(P[2]);  // 8. gate_up = w_gate_up . normed
 #pragma omp barrier
       // 9. w_down's input: swiglu(gate_up) per row, quantized
-      for (int64_t r = rb; r < re; r++) bf.swiglu_row(GU + r * 2 * F, GU + r * 2 * F + F, MID + r * F, F);
-      kvq::quantize_rows(P[3], rb, re);
+      row_parts(F, [&](int64_t r, int64_t c0, int64_t c1) {
+        bf.swiglu_row(GU + r * 2 * F + c0, GU + r * 2 * F + F + c0, MID + r * F + c0, c1 - c0);
+        kvq::quantize_blocks(P[3], r, c0 / kvq::kBlock, c1 / kvq::kBlock);
+      });
 #pragma omp barrier
       groups(P[3]);  // 10. x += w_down . mid
 #pragma omp barrier

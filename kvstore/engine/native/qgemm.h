@@ -761,6 +761,17 @@ void quantize_rows(const Product& p, int64_t begin, int64_t end) {
   }
 }
 
+// phase 1 for part of one row: its blocks b0..b1-1 (the bytes quantize_rows writes for them)
+void quantize_blocks(const Product& p, int64_t t, int64_t b0, int64_t b1) {
+  if (b1 <= b0) return;
+  uint8_t* tile = p.A + (t / p.L.rows) * p.tile_bytes + b0 * p.L.record();
+  const int64_t at = t * p.cols + b0 * kBlock, cols = (b1 - b0) * kBlock;
+  if (p.wide && p.bf16) quantize_row_avx512(static_cast<const c10::BFloat16*>(p.x) + at, cols, p.kind, tile, t % p.L.rows, p.L);
+  else if (p.wide) quantize_row_avx512(static_cast<const float*>(p.x) + at, cols, p.kind, tile, t % p.L.rows, p.L);
+  else if (p.bf16) quantize_row(static_cast<const c10::BFloat16*>(p.x) + at, cols, p.kind, tile, t % p.L.rows, p.L);
+  else quantize_row(static_cast<const float*>(p.x) + at, cols, p.kind, tile, t % p.L.rows, p.L);
+}
+
 // phase 2: row groups begin..end-1 (16 weight rows each) against every tile of activation rows, into
 // y; b_mine: this thread's p.b_bytes bytes, 64-byte aligned (null when 0)
 void row_groups(const Product& p, int64_t begin, int64_t end, uint8_t* b_mine) {

@@ -123,11 +123,16 @@ def decode_steps(model, context: int, new: int) -> tuple[float, dict]:
       (the stack's one call hides its kernels from the profiler), the seconds per token that the
       parts' kernel calls take: {"products", "head", "attention"}, each the calls' own time on the
       calling thread (the profiler's self time), and "step_profiled", the steps' time under the
-      profiler."""
+      profiler; "new", the tokens of each stretch: fewer than `new` where the context leaves less room
+      (8,160 positions of SmolLM2's 8,192 leave 15 for each)."""
     import kvstore
     from kvstore.engine.sequence import DEFAULT_CHUNK
     from torch.profiler import ProfilerActivity, profile
 
+    new = min(new, (model.config.max_context - context - 1) // 2)  # both stretches inside the context
+    if new < 2:
+        raise ValueError(f"a context of {context:,} leaves no room for decode steps in the model's "
+                         f"{model.config.max_context:,} positions; measure a shorter one")
     head_shape = list(model.net.lm_head.data.shape)  # the packed output matrix, as the profiler records it
     seq = kvstore.Sequence(model, chunk_size=DEFAULT_CHUNK)
     tokens = None
@@ -160,7 +165,7 @@ def decode_steps(model, context: int, new: int) -> tuple[float, dict]:
         elif e.key == "kvstore::attention_rows":
             spent["attention"] += e.self_cpu_time_total
     step = statistics.median(b - a for a, b in zip(stamps, stamps[1:]))
-    return step, {k: us / 1e6 / new for k, us in spent.items()} | {"step_profiled": elapsed / new}
+    return step, {k: us / 1e6 / new for k, us in spent.items()} | {"step_profiled": elapsed / new, "new": new}
 
 
 def synthetic_prompt(n: int, vocab: int) -> list[int]:
@@ -232,8 +237,12 @@ def run(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if model.net._stack is None or native.layers() is None:
         p.error("the model does not run on the native layer stack here (block-quantized weights, "
                 "bfloat16 on a CPU with AVX2 or AVX512): there are no parts to split")
+    contexts = [int(n) for n in args.contexts.split(",")]
+    if any(n < 1 or n > model.config.max_context - 5 for n in contexts):
+        p.error(f"--contexts: each between 1 and {model.config.max_context - 5:,} (the model holds "
+                f"{model.config.max_context:,} positions, and the steps measured need a few)")
     with torch.inference_mode():
-        r = measure(model, [int(n) for n in args.contexts.split(",")], args.threads, args.reps, args.new)
+        r = measure(model, contexts, args.threads, args.reps, args.new)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "decode_parts.json").write_text(json.dumps(r, indent=1) + "\n")
     print("\n".join(table(r)), file=sys.stdout)

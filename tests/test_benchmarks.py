@@ -711,3 +711,23 @@ def test_the_decode_parts_benchmark_splits_a_step_of_the_real_model(tmp_path, sm
     assert r["read_bytes_per_s"]["all_threads"] > 0 and r["read_bytes_per_s"]["one_thread"] > 0
     printed = capsys.readouterr().out
     assert "| 80 | **a decode step** |" in printed and "| 48 | attention |" in printed and "ms in a step" in printed
+
+
+def test_the_decode_parts_steps_fit_the_models_context(tiny):
+    """Near the end of the model's context (8,160 of SmolLM2's 8,192) the two stretches of decode steps
+    share the room that is left instead of running out of it; with none left it says so."""
+    from benchmarks import decode_parts
+    from engine_models import Q
+    from kvstore.engine import native
+
+    if native.layers() is None:
+        pytest.skip("no native layer stack on this CPU")
+    import kvstore
+
+    m = tiny("llama-gqa")  # 256 positions
+    model = kvstore.load_model(m.gguf(Q.Q4_1)[0], dtype="bfloat16", weights="stored")
+    with torch.inference_mode():
+        step, stepped = decode_parts.decode_steps(model, model.config.max_context - 11, new=24)
+    assert stepped["new"] == 5 and step > 0 and stepped["products"] > 0
+    with pytest.raises(ValueError, match="leaves no room"):
+        decode_parts.decode_steps(model, model.config.max_context - 2, new=24)

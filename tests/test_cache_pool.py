@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import kvstore
-from kvstore.engine.buffers import HUGE_PAGE, BufferPool, HugeArena, huge_pages, populate, small_pages
+from kvstore.engine.buffers import HUGE_PAGE, PAGE, BufferPool, HugeArena, huge_pages, populate, small_pages
 from kvstore.engine.cache import POOL, POPULATE_AHEAD, KVCache
 from memory_kit import thp_eligible
 
@@ -173,14 +173,13 @@ def test_the_arena_falls_back_where_there_are_no_huge_pages(monkeypatch):
 def resident(address: int, nbytes: int) -> list[bool]:
     """Whether each page of the range is in memory (mincore)."""
     import ctypes
-    import mmap
 
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
-    start = address // mmap.PAGESIZE * mmap.PAGESIZE
-    pages = -(-(address + nbytes - start) // mmap.PAGESIZE)
+    start = address // PAGE * PAGE
+    pages = -(-(address + nbytes - start) // PAGE)
     out = ctypes.create_string_buffer(pages)
-    assert libc.mincore(start, pages * mmap.PAGESIZE, out) == 0, ctypes.get_errno()
+    assert libc.mincore(start, pages * PAGE, out) == 0, ctypes.get_errno()
     return [bool(b & 1) for b in out.raw]
 
 
@@ -194,12 +193,12 @@ needs_populate = pytest.mark.skipif(not populates(), reason="this system has no 
 
 @needs_populate
 def test_populate_faults_a_range_in_without_changing_a_byte():
-    flat = small_pages(64 * mmap_page())
-    flat[5 * mmap_page() + 3] = 7  # one page written before
+    flat = small_pages(64 * PAGE)
+    flat[5 * PAGE + 3] = 7  # one page written before
     assert resident(flat.ctypes.data, flat.nbytes).count(True) == 1
-    assert populate(flat.ctypes.data + 2 * mmap_page() + 10, 20 * mmap_page())  # a range not on page bounds
+    assert populate(flat.ctypes.data + 2 * PAGE + 10, 20 * PAGE)  # a range not on page bounds
     assert resident(flat.ctypes.data, flat.nbytes) == [2 <= p <= 22 or p == 5 for p in range(64)]
-    assert flat[5 * mmap_page() + 3] == 7 and int(flat.sum()) == 7
+    assert flat[5 * PAGE + 3] == 7 and int(flat.sum()) == 7
 
 
 @needs_populate
@@ -216,9 +215,9 @@ def test_a_cache_faults_in_the_pages_of_its_next_positions_before_a_forward_writ
     ahead = 1 + POPULATE_AHEAD
     for buf in cache.layers:
         pages = resident(buf.data_ptr(), buf.nbytes)
-        assert all(pages[:ahead * row // mmap_page()]) and not any(pages[-(-ahead * row // mmap_page()) + 1:])
+        assert all(pages[:ahead * row // PAGE]) and not any(pages[-(-ahead * row // PAGE) + 1:])
     cache.claim(1, 2)  # inside what is populated: nothing more
-    assert sum(resident(cache.layers[0].data_ptr(), cache.layers[0].nbytes)) == -(-ahead * row // mmap_page())
+    assert sum(resident(cache.layers[0].data_ptr(), cache.layers[0].nbytes)) == -(-ahead * row // PAGE)
 
 
 @needs_populate
@@ -229,12 +228,6 @@ def test_a_block_pool_faults_in_each_block_once_when_it_is_first_handed_out(monk
     ids = pool.alloc(3)
     for layer in pool.layers:
         pages = resident(layer.data_ptr(), layer.nbytes)
-        in_blocks = [any(i * block <= p * mmap_page() < (i + 1) * block for i in ids) for p in range(len(pages))]
+        in_blocks = [any(i * block <= p * PAGE < (i + 1) * block for i in ids) for p in range(len(pages))]
         assert pages == in_blocks
     assert [pool.populated[i] for i in range(5)] == [1 if i in ids else 0 for i in range(5)]
-
-
-def mmap_page() -> int:
-    import mmap
-
-    return mmap.PAGESIZE

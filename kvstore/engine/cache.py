@@ -54,6 +54,14 @@ def _new_buffer(nbytes: int) -> torch.Tensor:
 POOL = BufferPool(limit=512 << 20, new=_new_buffer)  # flat uint8 CPU tensors
 
 
+def populate_rows(layers: list[torch.Tensor], start: int, end: int) -> None:
+    """Rows start..end-1 (along the first dimension) of each CPU tensor in `layers` faulted in, one
+    call a tensor (`buffers.populate`): a cache's positions, a pool's blocks."""
+    for t in layers:
+        row = t[0].numel() * t.element_size()
+        populate(t.data_ptr() + start * row, (end - start) * row)
+
+
 class KVCache:
     STATE_COPIES = False  # `state` returns views of the buffers (a PagedCache's are copies)
 
@@ -153,10 +161,8 @@ class KVCache:
         return torch.arange(pos, end, dtype=torch.int64, device=self.device)
 
     def _populate(self, start: int, end: int) -> None:
-        """Positions start..end-1 faulted in, in every layer (`buffers.populate`)."""
-        for buf in self.layers:
-            row = buf[0].numel() * buf.element_size()
-            populate(buf.data_ptr() + start * row, (end - start) * row)
+        """Positions start..end-1 faulted in, in every layer."""
+        populate_rows(self.layers, start, end)
         self._populated = end
 
     def pools(self) -> list[torch.Tensor]:

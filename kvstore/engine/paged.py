@@ -30,8 +30,8 @@ from typing import Callable, Iterator
 import torch
 
 from ..errors import PoolFull, PoolTooSmall
-from .buffers import lasting_pages, populate
-from .cache import POOL
+from .buffers import lasting_pages
+from .cache import POOL, populate_rows
 
 BLOCK_TOKENS = 16  # positions per block: a multiple of the attention kernel's key group
 # A sequence takes its blocks in runs of this many, next to each other in the pool, while the pool has
@@ -121,14 +121,12 @@ class BlockPool:
         """The pages of blocks never used before faulted in, every layer, a run of consecutive blocks
         in one call a layer (`buffers.populate`): before the forward that first writes them, where
         each fresh page costs a decode step far more. Once per block: the pool keeps its memory."""
-        row_bytes = self.layers[0][0].numel() * self.dtype.itemsize  # one block of one layer
         a = 0
         while a < len(ids):
             b = a + 1
             while b < len(ids) and ids[b] == ids[b - 1] + 1:
                 b += 1
-            for layer in self.layers:
-                populate(layer.data_ptr() + ids[a] * row_bytes, (ids[b - 1] + 1 - ids[a]) * row_bytes)
+            populate_rows(self.layers, ids[a], ids[b - 1] + 1)
             for i in ids[a:b]:
                 self.populated[i] = 1
             a = b

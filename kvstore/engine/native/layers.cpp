@@ -136,7 +136,7 @@ at::Tensor llama_layers(const at::Tensor& x_in, at::TensorList weights, at::IntA
 
   // ---- what the threads write, allocated ----
   const auto bf16 = x_in.options().dtype(at::kBFloat16);
-  at::Tensor x = x_in.contiguous().clone();                  // [R, H]: updated in place, layer by layer
+  at::Tensor x = x_in.clone(at::MemoryFormat::Contiguous);  // [R, H]: updated in place, layer by layer
   at::Tensor normed = at::empty({R, H}, bf16);               // [R, H]: rms_norm's rows
   at::Tensor qkv = at::empty({R, QKV}, bf16);                // [R, QKV]: q | k | v
   at::Tensor o = at::empty({R, n_heads, hd}, bf16);          // [R, n_heads, hd]: the attention's output
@@ -217,15 +217,16 @@ at::Tensor llama_layers(const at::Tensor& x_in, at::TensorList weights, at::IntA
       const auto [b0, b1] = share(cols / kvq::kBlock, 1, tid, team);
       for (int64_t r = 0; r < R && b1 > b0; r++) fn(r, b0 * kvq::kBlock, std::min(b1 * kvq::kBlock, cols));
     };
+    const auto normed = [&](const at::Tensor& norm, const kvq::Product& p) {  // p's input: rms_norm(x), quantized
+      const auto* weight = static_cast<const uint16_t*>(norm.data_ptr());
+      row_parts(H, [&](int64_t r, int64_t c0, int64_t c1) {
+        bf.rms_norm_row(X + r * H, weight, XN + r * H, H, eps_f, c0, c1);
+        kvq::quantize_blocks(p, r, c0 / kvq::kBlock, c1 / kvq::kBlock);
+      });
+    };
     for (int64_t i = 0; i < n_layers; i++) {
       const kvq::Product* P = &products[kWeights * i];
-      const auto* norm1 = static_cast<const uint16_t*>(norms[kNorms * i].data_ptr());
-      const auto* norm2 = static_cast<const uint16_t*>(norms[kNorms * i + 1].data_ptr());
-      // 1. qkv's input: rms_norm(x) per row, quantized
-      row_parts(H, [&](int64_t r, int64_t c0, int64_t c1) {
-        bf.rms_norm_row(X + r * H, norm1, XN + r * H, H, eps_f, c0, c1);
-        kvq::quantize_blocks(P[0], r, c0 / kvq::kBlock, c1 / kvq::kBlock);
-      });
+      normed(norms[kNorms * i], P[0]);  // 1. qkv's input
 #pragma omp barrier
       groups(P[0]);  // 2. qkv = wqkv . normed
 #pragma omp barrier
@@ -258,11 +259,7 @@ at::Tensor llama_layers(const at::Tensor& x_in, at::TensorList weights, at::IntA
 #pragma omp barrier
       groups(P[1]);  // 6. x += wo . o
 #pragma omp barrier
-      // 7. gate_up's input: rms_norm(x) per row, quantized
-      row_parts(H, [&](int64_t r, int64_t c0, int64_t c1) {
-        bf.rms_norm_row(X + r * H, norm2, XN + r * H, H, eps_f, c0, c1);
-        kvq::quantize_blocks(P[2], r, c0 / kvq::kBlock, c1 / kvq::kBlock);
-      });
+      normed(norms[kNorms * i + 1], P[2]);  // 7. gate_up's input
 #pragma omp barrier
       groups(P[2]);  // 8. gate_up = w_gate_up . normed
 #pragma omp barrier

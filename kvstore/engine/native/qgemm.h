@@ -749,18 +749,6 @@ Product product_of(const uint8_t* W, int64_t kind, int64_t rows, int64_t cols, i
   return p;
 }
 
-// phase 1: activation rows begin..end-1 quantized into their tiles
-void quantize_rows(const Product& p, int64_t begin, int64_t end) {
-  const int64_t cols = p.cols;
-  for (int64_t t = begin; t < end; t++) {
-    uint8_t* tile = p.A + (t / p.L.rows) * p.tile_bytes;
-    if (p.wide && p.bf16) quantize_row_avx512(static_cast<const c10::BFloat16*>(p.x) + t * cols, cols, p.kind, tile, t % p.L.rows, p.L);
-    else if (p.wide) quantize_row_avx512(static_cast<const float*>(p.x) + t * cols, cols, p.kind, tile, t % p.L.rows, p.L);
-    else if (p.bf16) quantize_row(static_cast<const c10::BFloat16*>(p.x) + t * cols, cols, p.kind, tile, t % p.L.rows, p.L);
-    else quantize_row(static_cast<const float*>(p.x) + t * cols, cols, p.kind, tile, t % p.L.rows, p.L);
-  }
-}
-
 // phase 1 for part of one row: its blocks b0..b1-1 (the bytes quantize_rows writes for them)
 void quantize_blocks(const Product& p, int64_t t, int64_t b0, int64_t b1) {
   if (b1 <= b0) return;
@@ -770,6 +758,11 @@ void quantize_blocks(const Product& p, int64_t t, int64_t b0, int64_t b1) {
   else if (p.wide) quantize_row_avx512(static_cast<const float*>(p.x) + at, cols, p.kind, tile, t % p.L.rows, p.L);
   else if (p.bf16) quantize_row(static_cast<const c10::BFloat16*>(p.x) + at, cols, p.kind, tile, t % p.L.rows, p.L);
   else quantize_row(static_cast<const float*>(p.x) + at, cols, p.kind, tile, t % p.L.rows, p.L);
+}
+
+// phase 1: activation rows begin..end-1 quantized into their tiles
+void quantize_rows(const Product& p, int64_t begin, int64_t end) {
+  for (int64_t t = begin; t < end; t++) quantize_blocks(p, t, 0, p.nb);
 }
 
 // phase 2: row groups begin..end-1 (16 weight rows each) against every tile of activation rows, into

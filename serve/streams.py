@@ -6,6 +6,11 @@ first token, `SESSION/START/end` for the last chunk, the usage and `[DONE]`). A 
 received>` and gets the rest of the reply, from the same session (`parse_last_event_id`).
 `first_events` reads a job up to its first token, so that an error before any output is an HTTP
 error with its status, not an event inside a 200 stream.
+
+A session's name may hold letters of any script (the store's rule), and so may the ids of its
+events, which go out as UTF-8 like the rest of the stream. The headers that carry them back
+(`Last-Event-ID`, `X-Session-Id`) are read as UTF-8 too (`header_text`), as the SSE standard has
+EventSource send the last id: a name means the same in a header as in the body.
 """
 
 from __future__ import annotations
@@ -28,7 +33,20 @@ class ResumePoint:
     after: int
 
 
+def header_text(value: str | None) -> str | None:
+    """A header's value as the client wrote it: the server hands its bytes over as Latin-1
+    characters (ASGI), and clients write text beyond ASCII in UTF-8. Bytes that are not UTF-8 stay as
+    they came: Latin-1, as HTTP always read them."""
+    if value is None or value.isascii():
+        return value
+    try:
+        return value.encode("latin-1").decode("utf-8")
+    except UnicodeError:
+        return value
+
+
 def parse_last_event_id(value: str | None) -> ResumePoint | None:
+    value = header_text(value)
     if not value:
         return None
     try:

@@ -398,6 +398,14 @@ def stream_ids(response: httpx.Response, stop_after: int | None = None) -> tuple
     return ids, last
 
 
+def wait_cancelled(server, session: str) -> None:
+    """Until the server's log has the request on `session` that stopped when its client went away."""
+    deadline = time.monotonic() + 20
+    while not any(rec.get("session") == session and rec.get("outcome") == "cancelled" for rec in log_records(server)):
+        assert time.monotonic() < deadline, server.log()[-3000:]
+        time.sleep(0.05)
+
+
 def test_a_client_that_goes_away_stops_its_generation_checkpointed(server, a):
     """Cut after three tokens: the engine stops there (not at max_tokens), the session holds what
     was sent and records the interrupted call; resent with Last-Event-ID, the rest comes, and the
@@ -409,10 +417,7 @@ def test_a_client_that_goes_away_stops_its_generation_checkpointed(server, a):
             assert r.status_code == 200
             got, last = stream_ids(r, stop_after=3)
     assert len(got) >= 3 and last
-    deadline = time.monotonic() + 20
-    while not any(rec.get("session") == "cut" and rec.get("outcome") == "cancelled" for rec in log_records(server)):
-        assert time.monotonic() < deadline, server.log()[-3000:]
-        time.sleep(0.05)
+    wait_cancelled(server, "cut")
     cut = info(a, "cut")
     start = int(last.split("/")[1])
     assert cut["active_call"] is not None, cut  # stopped before its end, checkpointed mid-reply
@@ -426,6 +431,34 @@ def test_a_client_that_goes_away_stops_its_generation_checkpointed(server, a):
             whole, _ = stream_ids(r)
     assert got + rest == whole
     assert info(a, "cut")["active_call"] is None and info(a, "cut")["n_tokens"] == info(a, "whole")["n_tokens"]
+
+
+def test_a_name_in_any_script_means_the_same_in_the_headers_as_in_the_body(server, a):
+    """A session's name may hold letters of any script, and its stream's event ids hold the name. Sent
+    back in X-Session-Id and Last-Event-ID as UTF-8 bytes (as EventSource sends the last id), they name
+    the session the body named: a stream cut short on it is finished, and the whole reply is the one an
+    uninterrupted request makes. Header bytes that are not UTF-8 are read as Latin-1, as HTTP always read
+    them (here no name: a 400)."""
+    name = "日記-1"
+    body = chat_body("Write a long story.", seed=23, temperature=1.0, max_tokens=MAX_TOKENS, stream=True,
+                     kvstore_trace=True)
+    with server.http(KEY_A) as client:
+        with client.stream("POST", CHAT, json=body | {"session": name}) as r:
+            assert r.status_code == 200
+            got, last = stream_ids(r, stop_after=3)
+    assert len(got) >= 3 and last.startswith(f"{name}/")
+    wait_cancelled(server, name)
+    with server.http(KEY_A) as client:
+        headers = {"X-Session-Id": name.encode(), "Last-Event-ID": last.encode()}
+        with client.stream("POST", CHAT, json=body, headers=headers) as r:
+            assert r.status_code == 200, r.read()
+            rest, _ = stream_ids(r)
+        with client.stream("POST", CHAT, json=body, headers={"X-Session-Id": "whole-script"}) as r:
+            whole, _ = stream_ids(r)
+    assert got + rest == whole
+    assert info(a, name)["n_tokens"] == info(a, "whole-script")["n_tokens"]
+    bad = a.post(CHAT, json=chat_body("Hello.", max_tokens=2), headers={"X-Session-Id": b"\x80-x"})
+    assert_openai_error(bad, 400, "invalid_name")
 
 
 # -- metrics and the log line ----------------------------------------------------------------------

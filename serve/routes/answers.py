@@ -22,13 +22,14 @@ from sse_starlette import ServerSentEvent
 from ..deps import service
 from ..failures import ApiError
 from ..service import Run
-from ..streams import chained, data, event_id, event_stream, first_events, parse_last_event_id, trace_line, usage
+from ..streams import (chained, data, event_id, event_stream, first_events, header_text, parse_last_event_id,
+                       trace_line, usage)
 from ..tenants import Tenant
 
 
 def session_of(body_session: str | None, header: str | None, resume, own_name: str) -> tuple[str, bool]:
     """(the session's public name, whether this request made it up)."""
-    named = body_session or header
+    named = body_session or header_text(header)
     if named and resume and resume.session != named:
         raise ApiError(400, f"Last-Event-ID names session {resume.session!r}, the request {named!r}",
                        param="Last-Event-ID", code="invalid_value")

@@ -124,8 +124,13 @@ def new(app, session: str, system: str | None, seed: int, chunk_size: int | None
     store = app.store
     store.check_new_name(session)
     model = load(o, o.model or kvstore.DEFAULT_MODEL, o.dtype, o.weights, app.home)
-    if text is not None:  # refuse an input the context cannot hold before anything is created
-        model.check_context(first_turn_tokens(model, text, system, o.raw))
+    if text is not None:  # refuse an input the context cannot hold, or one with no token, before anything is created
+        tokens = first_turn_tokens(model, text, system, o.raw)
+        if tokens == 0:
+            raise kvstore.errors.InvalidArgument(
+                "the input is empty: there is nothing to read or continue. Give some text (-p, -f or stdin), or "
+                "no input at all to create an empty session")
+        model.check_context(tokens)
     settings = dict(o.sampling)
     if o.checkpoint_every is not None:
         settings["checkpoint_every"] = o.checkpoint_every

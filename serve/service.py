@@ -37,6 +37,7 @@ class Run:
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     arrived: float = field(default_factory=time.perf_counter)
     context: str = "computed"
+    started: bool = False  # the job opened or made its session (its start event came)
     restore_s: float | None = None  # the seconds reopening the session from the store took, when it was
     first_token: float | None = None
     end: dict[str, Any] | None = None
@@ -128,7 +129,7 @@ class Service:
             self._log(run)
 
     def _started(self, run: Run, event: dict[str, Any]) -> None:
-        run.context = event["context"]
+        run.started, run.context = True, event["context"]
         if "prefix_queried" in event:
             self.metrics.prefix_queries.inc(event["prefix_queried"])
             self.metrics.prefix_hits.inc(event["prefix_hit"])
@@ -182,6 +183,18 @@ class Service:
             return
         if budget:
             self.metrics.prefix_held(end)
+
+    async def discard_session(self, tenant_session: str) -> None:
+        """Delete the session this server made for one request that was refused before any output (a
+        prompt beyond the context, say): its name never reached the client, so nobody can use it, and
+        kept it would stay in the store for good (only delivered replies become prefix-cache entries).
+        Called once its job started (`Run.started`): a request refused before it (a full queue) made none."""
+        engine = self.pool.engine_for(tenant_session)
+        try:
+            await outcome(await self.pool.submit({"kind": "delete", "session": tenant_session}, engine))
+        except ApiError as e:
+            if e.code != "session_not_found":
+                log.warning("could not delete the one-request session %s: %s", tenant_session, e.message)
 
     async def manage(self, spec: dict[str, Any], tenant: Tenant | None = None) -> dict[str, Any]:
         """A create, fork, delete or import on the session's engine; its end event (ApiError on error,

@@ -125,6 +125,18 @@ def test_new_with_an_input_longer_than_the_context_creates_nothing(model_dir, tm
     make("big", model_dir)  # the name is still free
 
 
+def test_new_with_an_empty_raw_input_creates_nothing(model_dir):
+    """Raw text of no tokens is refused before a session exists (it once left an empty session behind,
+    whose name the retry then found taken); no input at all still makes an empty session."""
+    assert kvstore.load_tokenizer(model_dir).encode("") == []
+    message = error("new", "empty", "--model", model_dir, "--raw", "-p", "")
+    assert "the input is empty" in message and "-p, -f or stdin" in message
+    assert store().names() == []
+    kv("new", "empty", "--model", model_dir, "--raw", "-p", "Some text.", "-n", "2")  # the name is still free
+    kv("new", "no-input", "--model", model_dir)
+    assert info("no-input")["n_tokens"] == 0
+
+
 def test_new_reads_in_chunks_of_the_chosen_size(model_dir):
     text = "The quick brown fox jumps over the lazy dog. " * 4
     kv("new", "chunked", "--model", model_dir, "--raw", "-p", text, "-n", "0", "--chunk-size", "8")

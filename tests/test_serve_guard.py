@@ -230,6 +230,24 @@ def test_bad_sessions_requests(a):
     assert_openai_error(a.put(CHAT, json={}), 405)
 
 
+def test_a_request_of_its_own_refused_before_any_output_leaves_no_session(a):
+    """A request that names no session runs in one the server makes for it. Refused before any output
+    (its prompt beyond the tiny model's 256 positions), whole or streamed, on each route, that session
+    is deleted: its name never reached the client, and kept it would stay in the store for good (only
+    delivered replies become prefix-cache entries)."""
+    def names() -> set[str]:
+        return {s["name"] for s in a.get(SESSIONS, params={"limit": 1000}).json()["data"]}
+
+    before = names()
+    long = "many words " * 200
+    routes = [(CHAT, chat_body(long)), (COMPLETIONS, {"model": "tiny", "prompt": long, "max_tokens": 8}),
+              ("/v1/responses", {"model": "tiny", "input": long, "max_output_tokens": 8})]
+    for path, body in routes:
+        for stream in (False, True):
+            assert_openai_error(a.post(path, json=body | {"stream": stream}), 400, "context_length_exceeded")
+    assert names() == before
+
+
 def test_bad_input_leaves_the_session_as_it_was(a, server, model):
     """A session with a turn meets every kind of refusal; then its next turn is what the library makes
     of the two turns alone: nothing of the refused requests reached it."""

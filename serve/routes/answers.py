@@ -59,7 +59,12 @@ async def answer(request: Request, body, who: Tenant, x_session_id: str | None, 
         spec["prefix"] = {"scope": who.prefix}
     run = Run(spec, who, public, id=request_id, route=route)
     events = svc.run(run)
-    first = await first_events(events)
+    try:
+        first = await first_events(events)
+    except ApiError:
+        if own and not resume and run.started:  # refused before any output: its session is no one's
+            await svc.discard_session(spec["session"])
+        raise
     reply = reply_class(run, svc.model_id, body.kvstore_trace, first)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)

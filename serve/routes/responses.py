@@ -177,7 +177,12 @@ async def create_response(body: ResponseRequest, request: Request, who: Tenant =
     public, writer, spec = plan(request, who, body, resume)
     run = Run(spec, who, writer, route="responses")
     events = svc.run(run)
-    first = await first_events(events)
+    try:
+        first = await first_events(events)
+    except ApiError:
+        if writer == public and not resume and run.started:  # refused before any output: its session is no one's
+            await svc.discard_session(spec["session"])
+        raise
     out = Output(run, public, body, svc.model_id, resume.after if resume else None)
     drop = svc if not body.store and writer == public else None
     if body.stream:

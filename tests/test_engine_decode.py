@@ -14,6 +14,7 @@ from torch.testing import assert_close
 
 import kvstore
 from kvstore import KVCache, SamplerSettings, Sequence
+from kvstore.engine.cache import HEADROOM
 from kvstore.engine.sequence import chunk_bounds
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -252,6 +253,19 @@ def test_cache_growth_keeps_the_valid_prefix(loaded, tiny):
     before = [t.clone() for t in cache.state()]
     cache.reserve(cache.capacity + 1)
     assert all(torch.equal(a, b) for a, b in zip(cache.state(), before))
+
+
+def test_a_prefill_makes_room_at_once_so_the_tokens_after_it_copy_nothing(loaded, tiny):
+    """A prompt read in chunks gets room for all of it and HEADROOM tokens more before its first chunk
+    (`KVCache.make_room`). Grown as the chunks came, a cache whose prompt ended at its capacity (512
+    tokens here) was copied whole by the first generated token."""
+    model = loaded("llama-long", "bfloat16")  # a context of 2,048 positions
+    seq = Sequence(model, chunk_size=128)
+    list(seq.extend(tiny("llama-long").ids(512)))
+    assert seq.cache.capacity >= 512 + HEADROOM
+    where = [layer.data_ptr() for layer in seq.cache.layers]
+    list(seq.generate(SamplerSettings(), seed=0, max_new_tokens=20))
+    assert seq.cache.length == 531 and [layer.data_ptr() for layer in seq.cache.layers] == where
 
 
 def test_generation_stops_on_a_stop_id_and_says_why(loaded, tiny):

@@ -122,6 +122,15 @@ class KVCache:
                 POOL.give(old_flat)
         self._populated = self.length
 
+    def make_room(self, n_tokens: int) -> None:
+        """Room for `n_tokens` positions, about to be written, in one step (a prefill's). Growing as
+        the chunks come copies the cache at each doubling, and the first token generated after a
+        prefill that filled the capacity copies all of it: after 2,048 positions read in chunks of 512
+        (SmolLM2, Intel Xeon with AMX) the first decode step's forward took 18-31 ms against 7-8 ms
+        for the next ones; with the room made at once, 8-12 ms. The caller adds the room that the
+        tokens after them need (`with_room`)."""
+        self.reserve(n_tokens)
+
     def put(self, layer: int, pos: int, kv: torch.Tensor) -> None:
         """The one write path of a forward: K/V rows `[T, 2, n_kv_heads, head_dim]` at positions
         pos..pos+T-1 of `layer`, one copy. Writing the last layer makes the positions valid

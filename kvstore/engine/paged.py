@@ -190,6 +190,10 @@ class PagedCache:
             self.table += self.pool.alloc(need, have=len(self.table), spare=spare)
             self._rows = self._table = None
 
+    def make_room(self, n_tokens: int) -> None:
+        """Nothing: a paged cache grows a block at a time without copying, and blocks taken ahead of
+        the writes would hold the shared pool's memory for nothing (`KVCache.make_room`)."""
+
     def _own(self, start: int, end: int) -> None:
         """Copy-on-write: the blocks of positions start..end-1 that another cache shares become this
         cache's own copies before they are written."""

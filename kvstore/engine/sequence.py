@@ -27,7 +27,7 @@ import torch
 
 from ..defaults import DEFAULT_CHUNK
 from ..errors import ModelError
-from .cache import KVCache
+from .cache import KVCache, with_room
 from .sampling import sample
 from .settings import SamplerSettings
 
@@ -97,6 +97,8 @@ class Sequence:
     def prefill(self) -> Iterator[int]:
         """Feed every pending token, chunk by chunk; yields the cache length after each chunk. The
         last chunk leaves `hidden` (the last token's final state)."""
+        if len(self.pending) > 1:  # text read: room for it all and the tokens generated after, at once
+            self.cache.make_room(min(with_room(len(self.tokens)), self.model.config.max_context))
         for a, b in chunk_bounds(self.cache.length, len(self.tokens), self.chunk_size):
             hidden = self.model.feed(self.tokens[a:b], a, self.cache)
             if a == self.reusable and (self._rows_alone or (a % self.chunk_size == 0 and b - a == self.chunk_size)):

@@ -168,33 +168,25 @@ class Service:
         else:  # not inside a request (or its second run): log it now
             observer.write(record, self.config.log_format)
 
-    async def drop_session(self, tenant_session: str, *, retain: bool = True) -> None:
+    async def drop_session(self, tenant_session: str, *, retain: bool = True, missing_ok: bool = False) -> None:
         """Once its reply is delivered, keep a session this server made for one request (the stateless
         ones) as a prefix-cache entry, or delete it when the cache is off (`--prefix-cache 0`) or
         `retain` is false (an entry keeps the session's name, so a `store: false` response, which must
-        not be found by its id, is deleted)."""
+        not be found by its id, is deleted). A request refused before any output (a prompt beyond the
+        context, say) has its session deleted too, once its job started (`Run.started`; admission
+        refusals made none): its name never reached the client, and kept it would stay in the store for
+        good. `missing_ok`: no warning when there was no session to delete (the job failed first)."""
         engine = self.pool.engine_for(tenant_session)
         budget = self.config.prefix_cache if retain else 0
         spec = {"kind": "retain", "budget": budget} if budget else {"kind": "delete"}
         try:
             end = await outcome(await self.pool.submit({**spec, "session": tenant_session}, engine))
         except Exception as e:  # noqa: BLE001 -- a leftover session is listed, not lost
-            log.warning("could not %s the one-request session %s: %s", spec["kind"], tenant_session, e)
+            if not (missing_ok and getattr(e, "code", None) == "session_not_found"):
+                log.warning("could not %s the one-request session %s: %s", spec["kind"], tenant_session, e)
             return
         if budget:
             self.metrics.prefix_held(end)
-
-    async def discard_session(self, tenant_session: str) -> None:
-        """Delete the session this server made for one request that was refused before any output (a
-        prompt beyond the context, say): its name never reached the client, so nobody can use it, and
-        kept it would stay in the store for good (only delivered replies become prefix-cache entries).
-        Called once its job started (`Run.started`): a request refused before it (a full queue) made none."""
-        engine = self.pool.engine_for(tenant_session)
-        try:
-            await outcome(await self.pool.submit({"kind": "delete", "session": tenant_session}, engine))
-        except Exception as e:  # noqa: BLE001 -- the request's own error is the answer; a leftover is listed
-            if getattr(e, "code", None) != "session_not_found":
-                log.warning("could not delete the one-request session %s: %s", tenant_session, e)
 
     async def manage(self, spec: dict[str, Any], tenant: Tenant | None = None) -> dict[str, Any]:
         """A create, fork, delete or import on the session's engine; its end event (ApiError on error,

@@ -63,7 +63,7 @@ async def answer(request: Request, body, who: Tenant, x_session_id: str | None, 
         first = await first_events(events)
     except ApiError:
         if own and not resume and run.started:  # refused before any output: its session is no one's
-            await svc.discard_session(spec["session"])
+            await svc.drop_session(spec["session"], retain=False, missing_ok=True)
         raise
     reply = reply_class(run, svc.model_id, body.kvstore_trace, first)
     if body.stream:

@@ -181,7 +181,7 @@ async def create_response(body: ResponseRequest, request: Request, who: Tenant =
         first = await first_events(events)
     except ApiError:
         if writer == public and not resume and run.started:  # refused before any output: its session is no one's
-            await svc.discard_session(spec["session"])
+            await svc.drop_session(spec["session"], retain=False, missing_ok=True)
         raise
     out = Output(run, public, body, svc.model_id, resume.after if resume else None)
     drop = svc if not body.store and writer == public else None

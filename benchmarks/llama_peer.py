@@ -46,6 +46,20 @@ def status() -> tuple[str | None, str]:
     return getattr(llama_cpp, "__version__", "?"), ""
 
 
+def server_status() -> tuple[str | None, str]:
+    """status(), and whether llama-cpp-python's OpenAI-compatible server imports too (the packages of
+    its `[server]` extra), so that a benchmark of servers finds out before it starts, not midway."""
+    version, why = status()
+    if version is None:
+        return version, why
+    try:
+        import llama_cpp.server.app  # noqa: F401
+    except ImportError as e:
+        return None, (f"llama-cpp-python's server does not import ({e}); "
+                      "`pip install -e '.[llama]'` installs it with its `[server]` extra")
+    return version, ""
+
+
 def _install_log() -> None:
     global _CALLBACK
     import llama_cpp

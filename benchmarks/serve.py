@@ -484,8 +484,8 @@ def run(cfg: dict, threads: int, model: str, peer: bool, workdir: Path, modes=MO
     why = {"kvstore": kvstore_serve_status(), "llama.cpp": ""}
     if not peer:
         why["llama.cpp"] = "left out (--no-peer)"
-    elif llama_peer.status()[0] is None:
-        why["llama.cpp"] = llama_peer.status()[1]
+    elif llama_peer.server_status()[0] is None:
+        why["llama.cpp"] = llama_peer.server_status()[1]
     gguf = Path(kvstore.pull(model, quiet=True)) if Path(model).suffix != ".gguf" else Path(model)
     pairs = specs(model, gguf, threads, cfg, list(modes) if not why["llama.cpp"] else [], workdir)
     pairs = [p for p in pairs if not (p[0].label == "kvstore" and why["kvstore"])]

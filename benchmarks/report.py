@@ -625,7 +625,8 @@ def published_services(bench: Path, suite: dict) -> list[dict]:
 
 
 def service_docs(r: dict, services: list[dict]) -> list[dict]:
-    return ([r] if "serve" in r else []) + list(services)
+    """The service runs to show: the suite run's own, else the suite CPU's published one first."""
+    return ([r] if "serve" in r else []) + sorted(services, key=lambda d: cpu_slug(d) != cpu_slug(r))
 
 
 def seconds(x: float) -> str:
@@ -656,6 +657,17 @@ def service_table(sv: dict) -> str:
     return "\n".join(lines)
 
 
+def served(sv: dict) -> str:
+    """How kvstore held the model in a service run (runs before `kvstore_weights` was recorded:
+    bfloat16, the only way `kvstore serve` had then)."""
+    weights, dtype = sv.get("kvstore_weights"), sv.get("kvstore_dtype", "bf16")
+    if weights == "stored":
+        return f"kvstore serves the GGUF's blocks as stored (its integer kernels) with {dtype} activations and KV"
+    if weights in (None, "dense"):
+        return f"kvstore serves the model in {dtype}"
+    return f"kvstore serves the model's weights as {weights}, {dtype} activations and KV"
+
+
 def service_header(doc: dict, suite_machine: dict | None) -> list[str]:
     sv, m, v = doc["serve"], doc["machine"], doc["versions"]
     other = suite_machine is not None and cpu_slug({"machine": suite_machine}) != cpu_slug(doc)
@@ -674,7 +686,7 @@ def service_header(doc: dict, suite_machine: dict | None) -> list[str]:
              f"package, streaming, greedy, {cfg['max_tokens']} tokens a reply) resends the whole history each turn, "
              "and names the conversation for kvstore with `X-Session-Id`. TTFT: from the request to the first "
              "content chunk. Each server runs as its own process on a loopback port; a restart kills it "
-             "(SIGKILL) and starts it again on the same folder. kvstore serves the model in bf16; llama.cpp runs "
+             "(SIGKILL) and starts it again on the same folder. " + served(sv) + "; llama.cpp runs "
              "the GGUF's own Q4_1 weights with an f16 KV cache, in each prompt-cache mode: none, ram "
              "(`--cache True --cache_type ram`) and disk (`--cache True --cache_type disk`); for the round-robin "
              f"case its RAM cache is sized (`--cache_size`) for {cfg['cache_conversations']} conversations. "

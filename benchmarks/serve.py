@@ -489,7 +489,9 @@ def run(cfg: dict, threads: int, model: str, peer: bool, workdir: Path, modes=MO
     gguf = Path(kvstore.pull(model, quiet=True)) if Path(model).suffix != ".gguf" else Path(model)
     pairs = specs(model, gguf, threads, cfg, list(modes) if not why["llama.cpp"] else [], workdir)
     pairs = [p for p in pairs if not (p[0].label == "kvstore" and why["kvstore"])]
+    held = kvstore.load_model(gguf)  # how `kvstore serve` holds it by default on this machine
     out = {"config": dict(cfg), "threads": threads, "model": model, "model_file": gguf.name, "modes": list(modes),
+           "kvstore_weights": held.weights, "kvstore_dtype": held.dtype_name,
            "targets": TARGETS, "not_measured": {k: v for k, v in why.items() if v}, "doc_chars": len(document),
            "servers": {p[0].label: {"base": p[0].notes, "many": p[1].notes} for p in pairs}}
     if not pairs:

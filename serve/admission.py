@@ -3,7 +3,8 @@ bound on how many may wait (`max_queue`): beyond it, 429 with Retry-After.
 
 `Admission.slot(key, engine)` is an async context: it waits for the session's turn, then for a
 place on the engine, counting the request as waiting meanwhile (the `num_requests_waiting` gauge);
-inside it the request runs.
+inside it the request runs. `Admission.turn(key)`: the session's turn alone (the server's own
+work on a session after a request).
 """
 
 from __future__ import annotations
@@ -55,9 +56,24 @@ class Admission:
         finally:
             self._run(-1)
             self.places[engine].release()
-            lock.release()
-            if not lock.locked() and not lock._waiters:  # noqa: SLF001 -- drop idle sessions' locks
-                self.session_locks.pop(key, None)
+            self._release(key, lock)
+
+    @asynccontextmanager
+    async def turn(self, key: str) -> AsyncIterator[None]:
+        """The session's turn alone, for the server's own work on it after a request (a one-request
+        session kept or deleted): after the requests on it before, never refused, not counted, no
+        place on the engine taken."""
+        lock = self.session_locks.setdefault(key, asyncio.Lock())
+        await lock.acquire()
+        try:
+            yield
+        finally:
+            self._release(key, lock)
+
+    def _release(self, key: str, lock: asyncio.Lock) -> None:
+        lock.release()
+        if not lock.locked() and not lock._waiters:  # noqa: SLF001 -- drop idle sessions' locks
+            self.session_locks.pop(key, None)
 
     def _wait(self, d: int) -> None:
         self.waiting += d

@@ -40,6 +40,7 @@ def create_app(config: ServeConfig) -> FastAPI:
             yield
         finally:
             service.admission.closed = True
+            await service.settle()  # the one-request sessions of streams cut by the stop, kept or deleted
             await service.pool.stop()
             app.state.store.close()
 

@@ -5,11 +5,13 @@
 events while recording the metrics (time to first token by how the context was obtained, gaps
 between tokens, tokens restored / computed / generated, restore and checkpoint times) and, at the
 end, one log line for the request. A client that goes away cancels its job: the engine
-checkpoints the session at the next token.
+checkpoints the session at the next token (a session the server made for that request alone is
+then kept as a prefix-cache entry or deleted: `drop_soon`, not left behind for good).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -60,6 +62,7 @@ class Service:
                                    max_queue=config.max_queue)
         self.model_id = config.served_name()
         self.created = int(time.time())
+        self._drops: set[asyncio.Task] = set()  # drop_soon's tasks
 
     # -- checks a route makes ------------------------------------------------------------------------
     def check_model(self, name: str) -> None:
@@ -175,18 +178,37 @@ class Service:
         not be found by its id, is deleted). A request refused before any output (a prompt beyond the
         context, say) has its session deleted too, once its job started (`Run.started`; admission
         refusals made none): its name never reached the client, and kept it would stay in the store for
-        good. `missing_ok`: no warning when there was no session to delete (the job failed first)."""
+        good. It takes the session's turn (`Admission.turn`), after the requests on it before.
+        `missing_ok`: no warning when there was no session to delete (the job failed first)."""
         engine = self.pool.engine_for(tenant_session)
         budget = self.config.prefix_cache if retain else 0
         spec = {"kind": "retain", "budget": budget} if budget else {"kind": "delete"}
         try:
-            end = await outcome(await self.pool.submit({**spec, "session": tenant_session}, engine))
+            async with self.admission.turn(tenant_session):  # after a resumed stream that came first
+                end = await outcome(await self.pool.submit({**spec, "session": tenant_session}, engine))
         except Exception as e:  # noqa: BLE001 -- a leftover session is listed, not lost
             if not (missing_ok and getattr(e, "code", None) == "session_not_found"):
                 log.warning("could not %s the one-request session %s: %s", spec["kind"], tenant_session, e)
             return
         if budget:
             self.metrics.prefix_held(end)
+
+    def drop_soon(self, tenant_session: str, *, retain: bool = True) -> asyncio.Task:
+        """drop_session in a task of its own, which the request's cancellation does not stop: for a
+        stream of a session this server made for the request, once it ended or its client left it
+        (else that session would stay in the store for good; kept as an entry, `Last-Event-ID` can
+        still finish it until the budget evicts it). Its turn on the session comes after the
+        request's, whose end sends the engine its job's cancel first (`run`)."""
+        task = asyncio.get_running_loop().create_task(
+            self.drop_session(tenant_session, retain=retain, missing_ok=True))
+        self._drops.add(task)  # the loop keeps only a weak reference to a task
+        task.add_done_callback(self._drops.discard)
+        return task
+
+    async def settle(self, timeout: float = 10.0) -> None:
+        """Wait for drop_soon's tasks (at most `timeout` seconds): before the engines stop."""
+        if self._drops:
+            await asyncio.wait(set(self._drops), timeout=timeout)
 
     async def manage(self, spec: dict[str, Any], tenant: Tenant | None = None) -> dict[str, Any]:
         """A create, fork, delete or import on the session's engine; its end event (ApiError on error,

@@ -451,6 +451,40 @@ def test_a_client_that_goes_away_stops_its_generation_checkpointed(server, a):
     assert info(a, "cut")["active_call"] is None and info(a, "cut")["n_tokens"] == info(a, "whole")["n_tokens"]
 
 
+def test_a_stream_of_its_own_left_by_its_client_is_kept_as_a_prefix_cache_entry(server, a):
+    """A request that names no session runs in one the server makes for it (`chatcmpl-...`, named by
+    the stream's event ids). Its client leaves the stream after three tokens: that session becomes a
+    prefix-cache entry, so the cache's budget bounds what such streams leave (each stayed in the store
+    for good before), and until the budget evicts it, Last-Event-ID finishes the reply as an
+    uninterrupted request makes it."""
+    def entries() -> float:
+        return sample(metrics(server), "kvstore:prefix_cache_entries")
+
+    body = chat_body("Write a long story.", seed=25, temperature=1.0, max_tokens=MAX_TOKENS, stream=True,
+                     kvstore_trace=True)
+    before = entries()
+    with server.http(KEY_A) as client:
+        with client.stream("POST", CHAT, json=body) as r:
+            assert r.status_code == 200
+            got, last = stream_ids(r, stop_after=3)
+    own = last.split("/")[0]
+    assert own.startswith("chatcmpl-") and len(got) >= 3
+    wait_cancelled(server, own)
+    deadline = time.monotonic() + 20
+    while entries() < before + 1:  # kept by a task of its own once the request is over
+        assert time.monotonic() < deadline, server.log()[-3000:]
+        time.sleep(0.05)
+    assert info(a, own)["active_call"] is not None  # stopped before its end, checkpointed mid-reply
+    with server.http(KEY_A) as client:
+        with client.stream("POST", CHAT, json=body, headers={"Last-Event-ID": last}) as r:
+            assert r.status_code == 200, r.read()
+            rest, _ = stream_ids(r)
+        with client.stream("POST", CHAT, json=body, headers={"X-Session-Id": "whole-own"}) as r:
+            whole, _ = stream_ids(r)
+    assert got + rest == whole
+    assert info(a, own)["active_call"] is None and entries() == before + 1
+
+
 def test_a_name_in_any_script_means_the_same_in_the_headers_as_in_the_body(server, a):
     """A session's name may hold letters of any script, and its stream's event ids hold the name. Sent
     back in X-Session-Id and Last-Event-ID as UTF-8 bytes (as EventSource sends the last id), they name

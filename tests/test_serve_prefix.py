@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import pytest
 
@@ -105,3 +106,15 @@ def test_prefix_cache_0_turns_it_off(tmp_path, model_folder):
         assert first.kvstore["trace"] == second.kvstore["trace"]
         assert server.http().get("/v1/sessions").json()["data"] == []
         assert metric(server, "kvstore:prefix_cache_queries_total") == 0
+        # a stream its client left after a few chunks: its session is deleted too, by a task of its own
+        body = {"model": MODEL_NAME, "messages": messages, "max_tokens": 200, "stream": True, **SAMPLING}
+        with server.http() as http:
+            with http.stream("POST", "/v1/chat/completions", json=body) as r:
+                assert r.status_code == 200
+                chunks = (line for line in r.iter_lines() if line.startswith("data:"))
+                first = [next(chunks) for _ in range(3)]
+            assert "chatcmpl-" in first[0]
+            deadline = time.monotonic() + 20
+            while http.get("/v1/sessions").json()["data"]:
+                assert time.monotonic() < deadline, server.log()[-3000:]
+                time.sleep(0.05)

@@ -11,6 +11,7 @@ Last-Event-ID gets exactly the rest; unknown ids, and another tenant's, are 404 
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import openai
@@ -224,6 +225,22 @@ def sse(response: httpx.Response, limit: int | None = None) -> list[dict]:
         key, _, value = line.partition(":")
         current[key] = value[1:] if value.startswith(" ") else value
     return events
+
+
+def test_a_response_not_stored_leaves_nothing_when_its_client_leaves_the_stream(client, server):
+    """`store: false`, streamed, the client gone after a few events: its session is deleted, as when
+    the stream is delivered (a response not stored is not resumed: OpenAI resumes only the streams
+    of stored responses). Before, such a session stayed in the store, under the response's id, for good."""
+    body = {"model": MODEL_NAME, "input": "The fox", "store": False, "stream": True, "max_output_tokens": 60}
+    with server.http(ALICE) as http:
+        with http.stream("POST", "/v1/responses", json=body) as broken:
+            cut = sse(broken, limit=6)
+        rid = cut[0]["data"]["response"]["id"]
+        deadline = time.monotonic() + 20
+        while http.get(f"/v1/responses/{rid}").status_code != 404:  # deleted by a task of its own
+            assert time.monotonic() < deadline, server.log()[-3000:]
+            time.sleep(0.05)
+        assert rid not in {s["name"] for s in http.get("/v1/sessions", params={"limit": 1000}).json()["data"]}
 
 
 def test_stream_events_ids_and_last_event_id_resume(client, server):

@@ -5,12 +5,14 @@
 A request that names a session (`X-Session-Id`, or `session` in the body) runs on it; one that
 names none runs in a session of its own (`chatcmpl-...`, `cmpl-...`), made from the longest
 stored prefix of its prompt and kept as a prefix-cache entry once the reply is delivered (with
-`--prefix-cache 0`: made new, and deleted), and kept as it is when the stream broke, so that
-`Last-Event-ID` can finish it.
+`--prefix-cache 0`: made new, and deleted). When the client leaves a stream before its end, the
+session is kept as a prefix-cache entry too (deleted with `--prefix-cache 0`), so that
+`Last-Event-ID` can finish it until the cache's budget evicts it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from typing import Any, AsyncIterator
@@ -127,7 +129,22 @@ class Reply:
     async def stream(self, events: AsyncIterator[dict[str, Any]], include_usage: bool, drop, *,
                      resumed: bool = False) -> AsyncIterator[ServerSentEvent]:
         """The reply as server-sent events; an error once the stream has begun is an
-        `{"error": ...}` event, as OpenAI sends it, and ends the stream."""
+        `{"error": ...}` event, as OpenAI sends it, and ends the stream. `drop` (the service, for a
+        session made for this request): that session is kept as a prefix-cache entry once the stream
+        is over, delivered or left by its client (`Service.drop_soon`)."""
+        over = False
+        try:
+            async for event in self._events(events, include_usage, resumed):
+                yield event
+            over = True
+            if drop is not None:  # before the response ends (shielded: the client may go now)
+                await asyncio.shield(drop.drop_soon(self.run.spec["session"]))
+        finally:  # the client left: no await here, where its request's cancellation would stop it
+            if drop is not None and not over:
+                drop.drop_soon(self.run.spec["session"])
+
+    async def _events(self, events: AsyncIterator[dict[str, Any]], include_usage: bool,
+                      resumed: bool) -> AsyncIterator[ServerSentEvent]:
         public = self.run.public
         for chunk in [] if resumed else self.opening():  # its id: the reply's start, nothing received yet
             yield ServerSentEvent(data(chunk), id=event_id(public, self.start, (self.start or 0) - 1))
@@ -148,5 +165,3 @@ class Reply:
         if include_usage:
             yield ServerSentEvent(data(self.head(choices=[], usage=usage(end))), id=done)
         yield ServerSentEvent("[DONE]", id=done)
-        if drop is not None:
-            await drop.drop_session(self.run.spec["session"])

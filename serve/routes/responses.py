@@ -7,7 +7,9 @@
   `previous_response_id` the response's session is a fork of that one's and the input is chatted
   on it; with neither, on a new session. A response's session is never written again, so
   continuing from an older response is a fork of an older session. `store: false`: the session is
-  deleted once the reply is delivered (not kept as a prefix-cache entry: that would keep its id) (kept when the stream broke, so Last-Event-ID can finish it).
+  deleted once the reply is delivered (not kept as a prefix-cache entry: that would keep its id),
+  or once its client leaves the stream: a response not stored is not resumed (OpenAI resumes the
+  streams of stored responses only).
 - `GET` / `DELETE /v1/responses/{id}` and its input items: read from the session at rest (`items.py`).
 
 Streams carry the Responses event types, each with `sequence_number` and an SSE id in the scheme
@@ -19,6 +21,7 @@ closing events; sequence numbers are a function of position, so they continue wh
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from typing import Any, AsyncIterator
@@ -323,15 +326,24 @@ class Output:
 
     async def stream(self, events: AsyncIterator[dict[str, Any]], drop) -> AsyncIterator[ServerSentEvent]:
         """The events of the response; an error once the stream has begun is an `error` event, as
-        OpenAI sends it, and ends the stream."""
+        OpenAI sends it, and ends the stream. `drop` (the service, for a response not stored): its
+        session is deleted once the stream is over, delivered or left by its client."""
+        over = False
         try:
-            async for out in self._events(events, drop):
+            async for out in self._events(events):
                 yield out
         except ApiError as e:
             yield ServerSentEvent(data({"type": "error", "sequence_number": self.last_seq + 1, "code": e.code,
                                         "message": e.message, "param": e.param}), event="error")
+        else:
+            over = True
+            if drop is not None:  # before the response ends (shielded: the client may go now)
+                await asyncio.shield(drop.drop_soon(self.run.spec["session"], retain=False))
+        finally:  # the client left: no await here, where its request's cancellation would stop it
+            if drop is not None and not over:
+                drop.drop_soon(self.run.spec["session"], retain=False)
 
-    async def _events(self, events: AsyncIterator[dict[str, Any]], drop) -> AsyncIterator[ServerSentEvent]:
+    async def _events(self, events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[ServerSentEvent]:
         where = {"output_index": 0, "content_index": 0}
         sent_header = self.after is not None
         async for event in events:
@@ -366,5 +378,3 @@ class Output:
                     dict(response=self.response()))]
         for i, (kind, fields) in enumerate(closing):
             yield self.event(kind, seq + i, "end", **fields)
-        if drop is not None:
-            await drop.drop_session(self.run.spec["session"], retain=False)

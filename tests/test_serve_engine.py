@@ -7,6 +7,9 @@ which events leave the engine shows it exactly (no timing involved).
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import kvstore
 from kvstore_serve.engine import Engine, Loop
 
@@ -132,3 +135,20 @@ def test_a_conversation_that_ends_with_the_assistant_is_answered_whole_not_as_a_
     roles = [(m.role, m.text) for m in store.messages("talk")][:2]
     assert roles == [("user", "hello there"), ("assistant", "Sure, here")]  # not chatted as the user's words
     store.close()
+
+
+def test_the_warm_up_leaves_the_first_chat_turn_nothing_to_import_or_compile(model_path):
+    """What a first request after a start would pay once, the engine pays before it says ready: the
+    chat template's engine (jinja2) imported and the template compiled, a session's modules imported.
+    In a fresh interpreter, since this one has them all."""
+    script = (
+        "import sys, kvstore\n"
+        "from kvstore_serve.engine import warm_up\n"
+        f"model = kvstore.load_model({model_path!r})\n"
+        "assert model.tokenizer.chat_template\n"
+        "before = {m for m in ('jinja2', 'kvstore.session') if m in sys.modules}\n"
+        "warm_up(model)\n"
+        "after = {m for m in ('jinja2', 'kvstore.session') if m in sys.modules}\n"
+        "print(sorted(before), sorted(after), model.tokenizer._template is not None)\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.split("\n")[0] == "[] ['jinja2', 'kvstore.session'] True", out.stdout + out.stderr

@@ -88,6 +88,28 @@ def test_the_store_restores_into_and_checkpoints_from_a_paged_cache(model, tiny,
     store.close()
 
 
+def test_a_restore_fills_blocks_in_one_run_in_place_and_scattered_ones_through_a_buffer(model):
+    """What a restore reads lands in the blocks either way; where its positions sit in one run of pool
+    rows that no other cache shares, `filling` hands out those rows themselves (no second copy),
+    else a buffer that is copied into the blocks."""
+    pool = pool_for(model)
+    c = model.config
+
+    def fill(cache: PagedCache, n: int, seed: int) -> bool:
+        data = torch.randn(n, 2, c.n_kv_heads, c.head_dim, generator=torch.Generator().manual_seed(seed))
+        with cache.filling(n) as rows:
+            in_place = rows[0].untyped_storage().data_ptr() == pool.layers[0].untyped_storage().data_ptr()
+            for r in rows:
+                r.copy_(data.to(r.dtype))
+        assert cache.length == n and all(torch.equal(s, data.to(s.dtype)) for s in cache.state())
+        return in_place
+
+    assert fill(PagedCache(pool), 45, 1)  # a fresh pool: ascending blocks, one run
+    taken = [pool.alloc(1)[0] for _ in range(8)]
+    pool.free(taken[::2])  # free blocks with taken ones between them
+    assert not fill(PagedCache(pool), 45, 2)
+
+
 class PagedModel:
     """The model with its caches in `pool` (as `kvstore serve` hands its sessions one)."""
 

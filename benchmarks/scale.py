@@ -11,7 +11,8 @@ own (`store.new` + `append_tokens`). Then, on that store:
 - creation: forks per second, small sessions per second;
 - a page: `store.page(PAGE, after=...)` at random cursors (median), the first page (it holds the
   document, whose record lists every fork), `count()`, and `list()` of everything;
-- open: `store.open` of random forks and small sessions, warm (after a first open);
+- open: `store.open` of random forks and small sessions, warm (the document's files read through
+  the page cache, then a first open); the first open of a fork before that;
 - the CLI, one process per call: `kvstore list --limit PAGE --after NAME` at random cursors in this
   store against `kvstore list` in a store of one session, alternating; the first page (it holds
   the document, whose record lists every fork); `kvstore list` and `--json` of everything;
@@ -120,10 +121,39 @@ def listing(store, names: list[str], cfg: dict, rng: random.Random) -> dict:
 
 
 def opens(store, model, forks: list[str], small: list[str], cfg: dict, rng: random.Random) -> dict:
-    timed_open(store, model, forks[0])  # the first open of the process: page cache and memory warm after it
+    """`store.open` of random forks and small sessions, warm: the document's layer files read through
+    the page cache, then a first open (the process's memory). An open alone does not warm the files:
+    a restore reads what the page cache does not hold straight from the disk without caching it
+    (kvstore/direct_io.py), and the build may outlast their pages (on the Intel Xeon KVM guest,
+    pages left idle were gone within a minute). Also: the share of the document's pages cached
+    before (`doc_cached`), and the first open of a fork then (`fork_first_s`)."""
+    doc = sorted((Path(store.home) / "sessions" / store.info("doc").id).glob("layer-*.kv"))
+    doc_cached = cached_share(doc)
+    first = timed_open(store, model, forks[0])
+    for path in doc:
+        path.read_bytes()
+    timed_open(store, model, forks[0])
     fork_s = [timed_open(store, model, n) for n in rng.sample(forks, min(cfg["opens"], len(forks)))]
     small_s = [timed_open(store, model, n) for n in rng.sample(small, min(cfg["opens"], len(small)))]
-    return {"fork_s": spread(fork_s), "small_s": spread(small_s)}
+    return {"fork_s": spread(fork_s), "small_s": spread(small_s), "doc_cached": doc_cached, "fork_first_s": first}
+
+
+def cached_share(paths: list[Path]) -> float | None:
+    """The share of the files' pages in the page cache; None where the kernel cannot say."""
+    from kvstore import direct_io
+
+    cached = total = 0
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            size = os.fstat(fd).st_size
+            pages = direct_io.cached_pages(fd, 0, size) if size else 0
+        finally:
+            os.close(fd)
+        if pages is None:
+            return None
+        cached, total = cached + pages, total + (direct_io.pages_in(0, size) if size else 0)
+    return cached / total if total else None
 
 
 def kvstore_cli(home: Path, *args: str) -> float:

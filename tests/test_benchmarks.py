@@ -107,7 +107,7 @@ def scale(page_ms: float = 12.0, reads: int = 1004) -> dict:
         "store_bytes": 2.5e9,
         "listing": {"sessions": 100_000, "page_s": s(page_ms / 1e3), "first_page_s": 0.3, "doc_forks": 98_999,
                     "count_s": s(0.004), "list_all_s": 9.0},
-        "open": {"fork_s": s(0.015), "small_s": s(0.005)},
+        "open": {"fork_s": s(0.015), "small_s": s(0.005), "doc_cached": 0.25, "fork_first_s": 0.031},
         "cli": {"page_s": s(0.6), "one_s": s(0.55), "first_page_s": s(0.8), "ratios": s(1.09), "ratio": 1.09, "all_s": 14.0, "all_json_s": 20.0},
         "gc": {"scan_s": 3.0, "sessions": 100_000, "per_session_s": 3e-5, "per_gb_s": 1.2, "delete_s": s(3.1)},
         "verify": {"s": 120.0, "sessions": 100_000, "problems": 0, "bytes": 1.1e8, "reads": reads, "extents": 1004,
@@ -188,6 +188,9 @@ def test_report_has_every_section_and_no_local_paths():
         assert heading in text
     assert "| `store.page(100)` at random cursors | 12.0 ms (10.8–13.2) |" in text
     assert "98,999 forks of it (`store.fork`, 165 per second)" in text
+    assert "| `store.open` of a fork (warm: the document's files in the page cache) | 15.0 ms (13.5–16.5) |" in text
+    assert ("| the first open of a fork, before the document's files were read through the page cache (25% of "
+            "their pages in it) | 31.0 ms |") in text
     assert "65× (58–72)" in text  # a figure with its spread
     assert "Some CPU (x86_64), 2 cores, with AVX2, AVX512-BF16, AMX-BF16" in text
     assert "Instruction sets that choose kernels: AVX2, AVX512-BF16, AMX-BF16; not: AVX512F, AVX512-VNNI, " \

@@ -3,7 +3,7 @@
 The public API, everything the front ends (`kvstore_cli`, the coming service) use:
 
 - `open_store(home=None, url=None) -> Store` (`new`, `open` -> `Session`; list, page, count, info,
-  history, fork, delete, export, import_, pack, verify, gc), `SessionInfo`, `SessionPage`;
+  history, fork, delete, export, import_, pack, verify, gc, warm_up), `SessionInfo`, `SessionPage`;
 - `load_model(spec) -> Model`, `load_tokenizer(spec)`, `pull(alias)`, `models_dir()`;
 - the engine pieces for those who drive generation themselves: `Sequence`, `TokenEvent`,
   `SamplerSettings`, `KVCache`, `StreamDecoder`; `BlockPool` and `PagedCache` (many sequences'

@@ -175,6 +175,7 @@ def main(conn, settings: dict[str, Any]) -> None:
                     kv_memory=settings.get("kv_memory"), max_slowdown=settings.get("max_slowdown", 2.0))
     engine.index = settings.get("engine", 0)
     warm_up(model, engine.pool)
+    store.warm_up()  # the first request's open and checkpoint find the index statements compiled, the threads up
     conn.send({"event": "ready", "pid": os.getpid(), "model": settings["model_id"],
                "max_context": model.config.max_context, "eos_ids": sorted(model.tokenizer.eos_ids)})
     try:

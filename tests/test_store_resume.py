@@ -236,3 +236,48 @@ def test_a_new_chat_turn_after_resume(tmp_path, model, mode):
     assert H.read_trace(tmp_path / "resumed.jsonl") == H.read_trace(tmp_path / "live.jsonl")
     roles = [m.role for m in store.messages("c")]
     assert roles == ["system", "user", "assistant", "user", "assistant"]
+
+
+def test_a_warmed_up_store_opens_a_session_without_compiling_a_statement(tmp_path, model, monkeypatch):
+    """Store.warm_up (what `kvstore serve` runs before it says it is ready) compiles an open's index
+    statements and starts the restore's threads, so a process's first open pauses for neither; it
+    reads no session and writes nothing."""
+    import threading
+
+    from sqlalchemy.sql.compiler import SQLCompiler
+
+    from kvstore.store import workers
+
+    home = tmp_path / "home"
+    with kvstore.open_store(home) as store:
+        s = store.new("s", model, chunk_size=16)
+        s.append_text(H.DOCUMENT)
+        s.close()
+    compiled: list[str] = []
+    compile_ = SQLCompiler.__init__
+
+    def counted(self, *args, **kwargs):
+        compiled.append(type(self).__name__)
+        compile_(self, *args, **kwargs)
+
+    def compiles_in_open(store) -> int:
+        compiled.clear()
+        monkeypatch.setattr(SQLCompiler, "__init__", counted)
+        try:
+            session = store.open("s", model)
+        finally:
+            monkeypatch.setattr(SQLCompiler, "__init__", compile_)
+        session.close()
+        return len(compiled)
+
+    with kvstore.open_store(home) as cold:  # a new engine: nothing compiled yet
+        assert compiles_in_open(cold) > 0
+    with kvstore.open_store(home) as warm:
+        listed = [(i.name, i.n_tokens) for i in warm.list()]
+        files = sorted(p.relative_to(home) for p in home.rglob("*") if "kvstore.db" not in p.name)
+        warm.warm_up()
+        assert [(i.name, i.n_tokens) for i in warm.list()] == listed
+        assert sorted(p.relative_to(home) for p in home.rglob("*") if "kvstore.db" not in p.name) == files
+        helpers = [t for t in threading.enumerate() if t.name.startswith(workers.PREFIX)]
+        assert len(helpers) >= 4 and any(t.name.startswith("kvstore-sync") for t in threading.enumerate())
+        assert compiles_in_open(warm) == 0

@@ -72,3 +72,26 @@ def test_a_forked_child_gets_its_own_pool():
     finally:
         child.join(timeout=30)
     assert child.exitcode == 0
+
+
+def _threads_started(queue) -> None:
+    before = {t.name for t in threading.enumerate()}
+    workers.start_threads(3, ["kvstore-test-serial"])
+    after = {t.name for t in threading.enumerate()} - before
+    queue.put(sorted(after))
+
+
+def test_start_threads_starts_the_helpers_and_the_serial_threads_named():
+    """What a store's warm_up starts before a service says it is ready, in a process that has none yet
+    (a forked child makes its pool afresh): the helpers asked for and each serial thread named."""
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_threads_started, args=(queue,))
+    child.start()
+    try:
+        started = queue.get(timeout=30)
+    finally:
+        child.join(timeout=30)
+    assert child.exitcode == 0
+    assert sum(n.startswith(workers.PREFIX) for n in started) == 3
+    assert "kvstore-test-serial_0" in started

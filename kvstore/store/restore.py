@@ -28,6 +28,17 @@ HEAD = (select(*SessionRow.__table__.c, SegmentRow.committed_end).join(SegmentRo
         .where(SessionRow.id == bindparam("session_id")))  # made once, as the other statements of an open
 
 
+def warm_statements(db: Connection) -> None:
+    """Run an open's queries (`snapshot`'s) once for a session id that no session has: they find
+    nothing, and SQLAlchemy has compiled each of them for this engine, which it does the first time
+    an engine runs a statement (a process's first open of a session paid for four). Reads only."""
+    nobody = ""  # ids are generated, never empty
+    db.execute(HEAD, {"session_id": nobody}).first()
+    read_tokens(db, nobody)
+    session_extents(db, nobody)
+    read_messages(db, nobody)
+
+
 @dataclass
 class Snapshot:
     row: Row  # the session's row: its columns by name, as a SessionRow has them (and committed_end)

@@ -28,7 +28,7 @@ from .export import export_session
 from .gc import collect
 from .identity import bind_home
 from .import_archive import import_session
-from . import prefix
+from . import extents, prefix, restore, segments, workers
 from .index import MessageRow, ModelRow, PrefixEntryRow, SessionRow, make_engine, shown_url, upgrade
 from .listing import PAGE_SIZE, SessionInfo, SessionPage, check_page, count, read_infos, read_page
 from .locking import SessionLock
@@ -84,6 +84,16 @@ class Store:
 
     def not_found(self, name: str) -> SessionNotFound:
         return SessionNotFound(f"no session named {name!r}; `kvstore list` shows the sessions in {self.home}")
+
+    def warm_up(self) -> None:
+        """Do now what a process's first open and checkpoint of a session would pause for: the index
+        statements an open runs compiled (SQLAlchemy compiles a statement the first time an engine
+        runs it), the threads a restore reads with and the one a checkpoint syncs on started. Reads
+        no session and writes nothing: a service calls it before it says it is ready."""
+        with self.engine.connect() as db:
+            db.scalar(SESSION_ID, {"name": ""})  # no session has the empty name
+            restore.warm_statements(db)
+        workers.start_threads(extents.READ_THREADS, [segments.SYNCER])
 
     def close(self) -> None:
         self.engine.dispose()

@@ -62,6 +62,22 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_pool)
 
 
+def start_threads(helpers: int, serial_names: Sequence[str] = ()) -> None:
+    """Start `helpers` of the pool's threads and the serial threads named, now: each starts as a call
+    first needs it otherwise, and a start is a pause of that call (`warm_up` of a store)."""
+    helpers = min(helpers, MAX_HELPERS)
+    arrived = threading.Barrier(helpers + 1)  # each task holds its thread until all have one
+    pool = _helpers()
+    started = [pool.submit(arrived.wait, 10.0) for _ in range(helpers)]
+    try:
+        arrived.wait(10.0)
+    except threading.BrokenBarrierError:  # the pool was busy with other calls: they started threads
+        pass
+    wait(started)
+    for name in serial_names:
+        serial(name).submit(lambda: None).result()
+
+
 def parallel_map(fn: Callable[[T], R], items: Sequence[T], threads: int = 4) -> list[R]:
     """`[fn(x) for x in items]`, computed by up to `threads` helpers."""
     items = list(items)

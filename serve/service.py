@@ -16,7 +16,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, TypeVar
 
 from . import observer
 from .admission import Admission
@@ -27,6 +27,7 @@ from .pool import Pool
 from .tenants import Keys, Tenant
 
 log = logging.getLogger("kvstore.serve")
+T = TypeVar("T")
 
 
 @dataclass
@@ -204,6 +205,21 @@ class Service:
         self._drops.add(task)  # the loop keeps only a weak reference to a task
         task.add_done_callback(self._drops.discard)
         return task
+
+    async def drop_after(self, stream: AsyncIterator[T], tenant_session: str, *, retain: bool = True) -> AsyncIterator[T]:
+        """`stream`'s items, then drop_soon for the session the server made for the request: awaited
+        once the stream is delivered, before the response ends (shielded: the client may go now),
+        and started without an await when its client left it or it failed (an await there would be
+        stopped by the request's cancellation)."""
+        over = False
+        try:
+            async for item in stream:
+                yield item
+            over = True
+            await asyncio.shield(self.drop_soon(tenant_session, retain=retain))
+        finally:
+            if not over:
+                self.drop_soon(tenant_session, retain=retain)
 
     async def settle(self, timeout: float = 10.0) -> None:
         """Wait for drop_soon's tasks (at most `timeout` seconds): before the engines stop."""

@@ -12,7 +12,6 @@ session is kept as a prefix-cache entry too (deleted with `--prefix-cache 0`), s
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from typing import Any, AsyncIterator
@@ -126,22 +125,14 @@ class Reply:
     def piece(self, text: str, finish: str | None = None, **extra) -> dict[str, Any]:
         raise NotImplementedError
 
-    async def stream(self, events: AsyncIterator[dict[str, Any]], include_usage: bool, drop, *,
-                     resumed: bool = False) -> AsyncIterator[ServerSentEvent]:
+    def stream(self, events: AsyncIterator[dict[str, Any]], include_usage: bool, drop, *,
+               resumed: bool = False) -> AsyncIterator[ServerSentEvent]:
         """The reply as server-sent events; an error once the stream has begun is an
         `{"error": ...}` event, as OpenAI sends it, and ends the stream. `drop` (the service, for a
         session made for this request): that session is kept as a prefix-cache entry once the stream
-        is over, delivered or left by its client (`Service.drop_soon`)."""
-        over = False
-        try:
-            async for event in self._events(events, include_usage, resumed):
-                yield event
-            over = True
-            if drop is not None:  # before the response ends (shielded: the client may go now)
-                await asyncio.shield(drop.drop_soon(self.run.spec["session"]))
-        finally:  # the client left: no await here, where its request's cancellation would stop it
-            if drop is not None and not over:
-                drop.drop_soon(self.run.spec["session"])
+        is over, delivered or left by its client (`Service.drop_after`)."""
+        out = self._events(events, include_usage, resumed)
+        return out if drop is None else drop.drop_after(out, self.run.spec["session"])
 
     async def _events(self, events: AsyncIterator[dict[str, Any]], include_usage: bool,
                       resumed: bool) -> AsyncIterator[ServerSentEvent]:

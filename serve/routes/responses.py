@@ -21,7 +21,6 @@ closing events; sequence numbers are a function of position, so they continue wh
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from typing import Any, AsyncIterator
@@ -327,21 +326,17 @@ class Output:
     async def stream(self, events: AsyncIterator[dict[str, Any]], drop) -> AsyncIterator[ServerSentEvent]:
         """The events of the response; an error once the stream has begun is an `error` event, as
         OpenAI sends it, and ends the stream. `drop` (the service, for a response not stored): its
-        session is deleted once the stream is over, delivered or left by its client."""
-        over = False
+        session is deleted once the stream is over, delivered or left by its client
+        (`Service.drop_after`)."""
+        out = self._events(events)
+        if drop is not None:
+            out = drop.drop_after(out, self.run.spec["session"], retain=False)
         try:
-            async for out in self._events(events):
-                yield out
+            async for event in out:
+                yield event
         except ApiError as e:
             yield ServerSentEvent(data({"type": "error", "sequence_number": self.last_seq + 1, "code": e.code,
                                         "message": e.message, "param": e.param}), event="error")
-        else:
-            over = True
-            if drop is not None:  # before the response ends (shielded: the client may go now)
-                await asyncio.shield(drop.drop_soon(self.run.spec["session"], retain=False))
-        finally:  # the client left: no await here, where its request's cancellation would stop it
-            if drop is not None and not over:
-                drop.drop_soon(self.run.spec["session"], retain=False)
 
     async def _events(self, events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[ServerSentEvent]:
         where = {"output_index": 0, "content_index": 0}

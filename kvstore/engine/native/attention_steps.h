@@ -103,14 +103,18 @@ inline void read_in_order(const uint16_t* rows, int64_t elements) {
 // threads, Intel Xeon with AMX) 0.91x the time at 1k positions and 0.83-0.86x at 4k against the whole
 // group prefetched at once (which had been 0.89-0.96x no prefetch on AMD EPYC Zen 4); two or three
 // groups ahead was slower. No result depends on it.
-// On Intel CPUs the lines go to L2 (prefetcht1; not measured why, a guess: the core's fill buffers,
-// which a fetch into L1 holds until the line arrives, are then free sooner). Alternated in one
+// The lines go to L2 (prefetcht1) on every CPU; not measured why, a guess: the core's fill buffers,
+// which a fetch into L1 holds until the line arrives, are then free sooner. Alternated in one
 // process (Intel Xeon with AMX, 2 threads), one decode row over every layer's cache from memory took
 // 0.95x the time at 8,160 positions (11.1 against 11.7 ms), 0.93x at 2,048 and 0.98x at 1,024; a
 // batched step of 8 sessions 0.99x at 512 positions and 0.97x at 2,048, of 16 at 512 0.98x.
-// prefetcht2 was as fast as prefetcht1, two groups ahead no faster. Elsewhere into L1 as measured
-// above (L2 not measured on AMD).
-// Also tried on that Xeon, in decode steps at 1,024 positions (alternated, 3 rounds), so that a step's
+// prefetcht2 was as fast as prefetcht1, two groups ahead no faster. On AMD EPYC Zen 4 (2 threads,
+// every layer's cache from memory, fresh processes alternated, two rounds) against prefetches into
+// L1: 8 sessions at 512 positions 0.64-0.72x the time (3.9-4.2 against 5.4-6.4 ms), one row at 2,048
+// 0.76-0.84x, at 8,160 0.72-0.86x; prefetcht2 between the two, two or three groups ahead and the
+// whole group at once slower, the touch above (read_in_order) left out as fast. Not measured on
+// AMD EPYC Zen 5 nor on the AVX2 path's CPUs, which took L1 before.
+// Also tried on the Xeon, in decode steps at 1,024 positions (alternated, 3 rounds), so that a step's
 // reads of the cache would not push the layers' weights out of the last-level cache (the layer
 // products run 1.6x faster from it): prefetchnta, and the group's rows flushed (clflushopt) after
 // its steps. The first took 2x the attention's time and left the products as they were; the second
@@ -125,15 +129,9 @@ inline void prefetch_ahead(Work& w, const uint16_t* from, int64_t bytes, int64_t
   w.ahead_lines = (bytes + 63) / 64 / (kPrefetchSlots * n_kv) + 1;
 }
 
-// One of the slots: the next few lines of what prefetch_ahead set
-template <decltype(_MM_HINT_T0) hint>  // GCC: enum _mm_hint; elsewhere an int
-inline void prefetch_lines(Work& w) {
-  for (int64_t n = w.ahead_lines; n > 0 && w.ahead < w.ahead_end; n--, w.ahead += 64) _mm_prefetch(w.ahead, hint);
-}
+// One of the slots: the next few lines of what prefetch_ahead set, into L2 (see above)
 inline void prefetch_some(Work& w) {
-  static const bool to_l2 = intel_cpu();  // see above
-  if (to_l2) return prefetch_lines<_MM_HINT_T1>(w);
-  prefetch_lines<_MM_HINT_T0>(w);
+  for (int64_t n = w.ahead_lines; n > 0 && w.ahead < w.ahead_end; n--, w.ahead += 64) _mm_prefetch(w.ahead, _MM_HINT_T1);
 }
 
 // the output of a folded record: acc / l, rounded to bfloat16

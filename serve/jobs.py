@@ -25,6 +25,7 @@ finish reason) or `error` (an OpenAI-shaped error, `failures.py`).
 from __future__ import annotations
 
 import itertools
+import logging
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -34,6 +35,8 @@ from . import prefix_cache
 from .failures import from_library
 from .replies import ReplyText, Tokens, stored_pieces, token_events
 from .streams import END
+
+log = logging.getLogger("kvstore.serve")
 
 
 @dataclass
@@ -77,7 +80,7 @@ def chat(engine, job: dict[str, Any]) -> Iterator[dict[str, Any]]:
     else:
         session, how, restore = engine.writer(job["session"], create=job.get("create"))
         check_seed(session, job.get("seed"))
-        p, lookup = plan(session, messages), {}
+        p, lookup = plan(session, messages), {"created": how == "computed"}
         cached = session.n_cached
         if p.kind == "cold" and session.tokens:
             session, cached = engine.branch(session, p.fork_at), p.fork_at
@@ -121,7 +124,7 @@ def complete(engine, job: dict[str, Any]) -> Iterator[dict[str, Any]]:
     else:
         session, how, restore = engine.writer(job["session"], create=job.get("create"))
         check_seed(session, job.get("seed"))
-        yield {"event": "start", "context": how if session.tokens else "computed", **restore}
+        yield {"event": "start", "context": how if session.tokens else "computed", **restore, "created": how == "computed"}
         cached = session.n_cached
         session.append_text(job["prompt"])
     tokens = Tokens.for_job(job)
@@ -210,10 +213,30 @@ KINDS = {"chat": chat, "complete": complete,
 
 
 def run(engine, job: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    """The job's events; a library error becomes an `error` event (the session is left as it was)."""
+    """The job's events; a library error becomes an `error` event (the session is left as it was). A
+    named session that the job made (its start event says `created`, kept here) and that failed
+    before any token (a prompt beyond the context, say) is deleted first: it holds nothing anyone
+    sent, and kept it would stay in the store, empty, for good. Here, in the job, no other request
+    on that name can run in between (they wait for this one's turn)."""
+    created = output = False
     try:
-        yield from KINDS[job["kind"]](engine, job)
+        for event in KINDS[job["kind"]](engine, job):
+            if event["event"] == "start":
+                created = event.pop("created", False)
+            output = output or event["event"] == "token"
+            yield event
     except GeneratorExit:
         raise
     except Exception as e:  # noqa: BLE001 -- every failure is an answer to the client, never a dead engine
+        if created and not output:
+            delete_made(engine, job["session"])
         yield from_library(e).to_event()
+
+
+def delete_made(engine, name: str) -> None:
+    """Delete the session a failed job made; a failure to is logged (it is listed, empty: nothing lost)."""
+    try:
+        engine.forget(name)
+        engine.store.delete(name)
+    except Exception as e:  # noqa: BLE001 -- the job's own error is the answer
+        log.warning("could not delete session %s, made by a request that failed before any output: %s", name, e)

@@ -136,6 +136,22 @@ def test_completions_continue_raw_text(server):
     assert streamed == a.choices[0].text
 
 
+def test_max_tokens_0_reads_the_prompt_into_the_session_and_generates_nothing(server):
+    """kvstore's use of `max_tokens: 0` (OpenAI refuses it): a document read into a named session once,
+    as `kvstore new --max-new-tokens 0` does; the next request on the session starts from its KV."""
+    client = server.client()
+    doc = "Once upon a time there was a fox who lived by a river, and every morning it went to drink."
+    read = client.completions.create(model=MODEL_NAME, prompt=doc, max_tokens=0, extra_body={"session": "doc"})
+    assert read.choices[0].text == "" and read.usage.completion_tokens == 0
+    assert read.choices[0].finish_reason == "length"
+    held = server.http().get("/v1/sessions/doc").json()
+    assert held["n_tokens"] == read.usage.prompt_tokens > 10
+    then = client.completions.create(model=MODEL_NAME, prompt=" The fox", max_tokens=6, temperature=0,
+                                     extra_body={"session": "doc"})
+    assert then.usage.prompt_tokens_details.cached_tokens >= read.usage.prompt_tokens - 1
+    assert then.usage.completion_tokens > 0
+
+
 def sse_events(lines, on_event=None) -> list[tuple[str, dict]]:
     """(id, data) of each SSE event in raw lines (data None for [DONE]); `on_event(events)` after
     each one may return True to stop reading (the client goes away)."""

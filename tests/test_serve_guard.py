@@ -248,6 +248,23 @@ def test_a_request_of_its_own_refused_before_any_output_leaves_no_session(a):
     assert names() == before
 
 
+def test_a_named_session_made_by_a_request_refused_before_any_output_is_deleted(a):
+    """A request naming a session that does not exist makes it. Refused before any output (its prompt
+    beyond the tiny model's 256 positions), whole or streamed, on chat and completions, the session
+    it made is gone, and the name is free for the next request, which makes it afresh."""
+    long = "many words " * 200
+    routes = [(CHAT, chat_body(long)), (COMPLETIONS, {"model": "tiny", "prompt": long, "max_tokens": 8})]
+    for path, body in routes:
+        for stream in (False, True):
+            name = f"made-{path.rsplit('/', 1)[-1]}-{stream}"
+            r = a.post(path, json=body | {"stream": stream}, headers={"X-Session-Id": name})
+            assert_openai_error(r, 400, "context_length_exceeded")
+            assert_openai_error(a.get(f"{SESSIONS}/{name}"), 404, "session_not_found")
+    ok = a.post(CHAT, json=chat_body("Hello.", max_tokens=2), headers={"X-Session-Id": "made-completions-False"})
+    assert ok.status_code == 200, ok.text
+    assert info(a, "made-completions-False")["n_tokens"] > 0
+
+
 def test_bad_input_leaves_the_session_as_it_was(a, server, model):
     """A session with a turn meets every kind of refusal; then its next turn is what the library makes
     of the two turns alone: nothing of the refused requests reached it."""

@@ -131,10 +131,13 @@ def rm(app, session: str):
 @click.command()
 @click.argument("session")
 @click.option("--output", "-o", required=True, type=click.Path(dir_okay=False, path_type=Path),
-              help="Archive file to write.")
+              help="Archive file to write (not one that exists, unless --force).")
+@click.option("--force", "-f", is_flag=True, help="Replace the file at --output if there is one.")
 @click.pass_obj
-def export(app, session: str, output: Path):
+def export(app, session: str, output: Path, force: bool):
     """Write a session to one self-describing archive file."""
+    if output.exists() and not force:  # an archive there may be the only copy of a session deleted since
+        raise click.ClickException(f"{output} exists; pass --force to replace it, or choose another --output")
     with bytes_bar("export") as bar:
         summary = app.store.export(session, output, progress=bar)
     note(f"exported {session!r} to {output} ({human_bytes(summary['bytes'])}, {summary['tokens']:,} tokens)")

@@ -414,6 +414,23 @@ def test_export_import_roundtrip(model_dir, tmp_path):
     kv("continue", "e2", "-n", "2")
 
 
+def test_export_keeps_a_file_that_is_there_unless_forced(model_dir, tmp_path):
+    """An archive already at --output may be the only copy of a session deleted since: export refuses
+    to replace it (exit 1, the file untouched) unless told --force."""
+    make("x1", model_dir, *SEEDED)
+    make("x2", model_dir, *SEEDED, prompt="something else")
+    archive = tmp_path / "x.kvs"
+    kv("export", "x1", "-o", str(archive))
+    first = archive.read_bytes()
+    r = kv("export", "x2", "-o", str(archive), code=1)
+    assert "exists" in r.stderr and "--force" in r.stderr
+    assert archive.read_bytes() == first
+    kv("export", "x2", "-o", str(archive), "--force")
+    assert archive.read_bytes() != first
+    kv("import", str(archive), "--as", "back")
+    assert store().tokens("back") == store().tokens("x2")
+
+
 def test_pack_then_continue(model_dir):
     make("pk", model_dir)
     r = kv("pack", "pk")

@@ -166,7 +166,10 @@ def main(conn, settings: dict[str, Any]) -> None:
     # next of a step's ~150 regions starts at once; that spinning is left as it is. Measured in a served
     # decode of 512-token sessions (Intel Xeon with AMX, 2 threads, alternated, 6 points each), against
     # the default: OMP_WAIT_POLICY=PASSIVE 0.44x the rate at 1 session and 0.68x at 8; GOMP_SPINCOUNT
-    # 10000 0.92x and 0.98x; 1000 0.90x and 0.92x.
+    # 10000 0.92x and 0.98x; 1000 0.90x and 0.92x. Again with the layer stack in one region (AMD EPYC
+    # Zen 4, medians of 3 points, two alternated rounds): PASSIVE 0.47-0.56x and 0.82-0.83x (its 8:1
+    # ratio 4.1-4.3x only because its single session is so slow), GOMP_SPINCOUNT 10000 0.69-0.94x and
+    # 0.92-0.95x.
     torch.set_num_threads(settings["threads"])
     store = kvstore.open_store(settings["home"], url=settings.get("index"))
     model = kvstore.load_model(settings["model"], dtype=settings.get("dtype"), weights=settings.get("weights"),

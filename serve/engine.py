@@ -142,6 +142,12 @@ class Engine:
         if session is not None:
             session.close()
 
+    def delete(self, name: str) -> None:
+        """Close the session if it is open here, then delete it from the store (SessionNotFound if
+        there is none)."""
+        self.forget(name)
+        self.store.delete(name)
+
     def resident(self) -> dict[str, int]:
         if self.pool is not None:
             return {"resident_bytes": self.pool.used * self.pool.block_bytes}

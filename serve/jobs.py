@@ -198,8 +198,7 @@ def manage(engine, job: dict[str, Any]) -> Iterator[dict[str, Any]]:
         engine.store.fork(name, job["new_name"], job.get("at"))
         name = job["new_name"]
     elif op == "delete":
-        engine.forget(name)
-        engine.store.delete(name)
+        engine.delete(name)
     elif op == "import":
         name = engine.store.import_(job["path"], job.get("new_name"), engine.model)
     elif op == "retain":
@@ -236,7 +235,6 @@ def run(engine, job: dict[str, Any]) -> Iterator[dict[str, Any]]:
 def delete_made(engine, name: str) -> None:
     """Delete the session a failed job made; a failure to is logged (it is listed, empty: nothing lost)."""
     try:
-        engine.forget(name)
-        engine.store.delete(name)
+        engine.delete(name)
     except Exception as e:  # noqa: BLE001 -- the job's own error is the answer
         log.warning("could not delete session %s, made by a request that failed before any output: %s", name, e)

@@ -43,9 +43,8 @@ def open_session(engine, job: dict[str, Any], prompt: list[int]):
 
 
 def _discard(engine, name: str) -> None:
-    engine.forget(name)
     try:
-        engine.store.delete(name)
+        engine.delete(name)
     except kvstore.errors.SessionNotFound:
         pass
 

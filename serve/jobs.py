@@ -87,7 +87,7 @@ def chat(engine, job: dict[str, Any]) -> Iterator[dict[str, Any]]:
             how = "reused" if p.fork_at else "computed"
     yield {"event": "start", "context": how, **restore, **lookup}
     sampling = job.get("sampling") or {}
-    tokens = Tokens.for_job(job)
+    tokens = Tokens.for_job(job, engine.model.tokenizer)
     args = dict(max_new_tokens=job["max_tokens"], trace=tokens, stop=tuple(job.get("stop") or ()), **sampling)
     if p.kind == "continue":
         pieces = converse(session, p.new, **args)
@@ -127,7 +127,7 @@ def complete(engine, job: dict[str, Any]) -> Iterator[dict[str, Any]]:
         yield {"event": "start", "context": how if session.tokens else "computed", **restore, "created": how == "computed"}
         cached = session.n_cached
         session.append_text(job["prompt"])
-    tokens = Tokens.for_job(job)
+    tokens = Tokens.for_job(job, engine.model.tokenizer)
     ids = session.generate(job["max_tokens"], trace=tokens, stop=tuple(job.get("stop") or ()), **(job.get("sampling") or {}))
     yield from reply(engine, session, session.text(ids), tokens, job, cached)
 
@@ -174,7 +174,7 @@ def resume(engine, job: dict[str, Any]) -> Iterator[dict[str, Any]]:
         raise kvstore.errors.InvalidArgument(
             f"Last-Event-ID does not name a position of the last reply of session {session.name!r}; "
             "resend the request without it")
-    tokens = Tokens.for_job(job)
+    tokens = Tokens.for_job(job, engine.model.tokenizer)
     tok = session.model.tokenizer
     stored = session.tokens[start:]
     pieces = stored_pieces(kvstore.StreamDecoder(tok), stored, start, tokens, tok.eos_ids)

@@ -17,7 +17,8 @@ UNSUPPORTED = {
     "tools": "tool calls are not supported", "tool_choice": "tool calls are not supported",
     "functions": "function calls are not supported", "function_call": "function calls are not supported",
     "parallel_tool_calls": "tool calls are not supported",
-    "logprobs": "logprobs are not supported", "top_logprobs": "logprobs are not supported",
+    "logprobs": "logprobs are given by /v1/chat/completions and /v1/completions, not here",
+    "top_logprobs": "logprobs are given by /v1/chat/completions and /v1/completions, not here",
     "logit_bias": "logit_bias is not supported", "response_format": "structured output is not supported",
     "audio": "audio is not supported", "modalities": "only text is supported",
     "prediction": "predicted outputs are not supported", "web_search_options": "web search is not supported",
@@ -28,6 +29,8 @@ UNSUPPORTED = {
     "truncation": "truncation is not supported", "prompt": "prompt templates are not supported",
 }
 MAX_STOPS = 4
+MAX_TOP_LOGPROBS = 20  # chat's top_logprobs, as OpenAI bounds it
+MAX_COMPLETION_LOGPROBS = 5  # the completions API's logprobs (alternatives per token), as OpenAI bounds it
 
 
 class Strict(BaseModel):
@@ -107,6 +110,10 @@ class Sampling(Strict):
             raise ValueError(f"stop takes up to {MAX_STOPS} non-empty strings")
         return stops
 
+    def alternatives(self) -> int | None:
+        """None, or how many likeliest tokens each generated token's logprobs list (0: its own only)."""
+        return None
+
     def sampler(self) -> dict[str, float]:
         out = {}
         if self.temperature is not None:
@@ -119,6 +126,18 @@ class Sampling(Strict):
 class ChatRequest(Sampling):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=0)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_needs_logprobs(cls, v, info):
+        if v and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs: true")
+        return v
+
+    def alternatives(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def plain_messages(self) -> list[dict[str, str]]:
         return [m.plain() for m in self.messages]
@@ -129,6 +148,10 @@ class ChatRequest(Sampling):
 
 class CompletionRequest(Sampling):
     prompt: str | list[str]
+    logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
+
+    def alternatives(self) -> int | None:
+        return self.logprobs
 
     @field_validator("prompt")
     @classmethod

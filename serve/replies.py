@@ -1,8 +1,10 @@
 """A reply as the engine sends it: one event per generated token, with the text it releases.
 
 `Tokens` is the file-like that a session's trace writer writes to (one JSON line per generated
-token: position, id, logits hash); `ReplyText` holds back text that could begin a stop string and
-cuts the reply where one appears (OpenAI leaves stop strings out of the reply). The events of a
+token: position, id, logits hash, and its log-probabilities when the client asked for them, which
+`Tokens.logprobs` turns into OpenAI's entry for the token); `ReplyText` holds back text that could
+begin a stop string and cuts the reply where one appears (OpenAI leaves stop strings out of the
+reply). The events of a
 reply are a function of its tokens alone, so a stream that is resumed after position p replays the
 reply from its start and sends only what comes after p: the client gets exactly the rest.
 """
@@ -10,22 +12,36 @@ reply from its start and sends only what comes after p: the client gets exactly 
 from __future__ import annotations
 
 import json
+from functools import lru_cache
 from typing import Any, Iterable, Iterator
 
 
 class Tokens:
     """Collects the trace lines the library writes while it generates (`trace=` argument). `digests`:
     whether the lines carry the logits' hashes (TraceWriter computes them only then); a reply sends
-    them only to a client that asked for the trace."""
+    them only to a client that asked for the trace. `top_logprobs`: None, or how many likeliest
+    tokens each line lists beside the token's own log-probability (TraceWriter computes them then),
+    named by `tokenizer`."""
 
-    def __init__(self, digests: bool = True):
+    def __init__(self, digests: bool = True, top_logprobs: int | None = None, tokenizer=None):
         self.lines: list[dict[str, Any]] = []
         self.digests = digests
+        self.top_logprobs = top_logprobs
+        self.named = lru_cache(maxsize=4096)(lambda token: _token_name(tokenizer, token))
 
     @classmethod
-    def for_job(cls, job: dict[str, Any]) -> "Tokens":
-        """The collector of a job's reply: hashes unless the client did not ask for the trace."""
-        return cls(digests=job.get("trace", True))
+    def for_job(cls, job: dict[str, Any], tokenizer=None) -> "Tokens":
+        """The collector of a job's reply: hashes unless the client did not ask for the trace,
+        log-probabilities where it asked for them (`job["logprobs"]`: how many alternatives)."""
+        return cls(digests=job.get("trace", True), top_logprobs=job.get("logprobs"), tokenizer=tokenizer)
+
+    def logprobs(self, line: dict[str, Any]) -> dict[str, Any] | None:
+        """OpenAI's logprobs entry of a line's token (`{"token", "bytes", "logprob", "top_logprobs"}`),
+        or None where the line has none (not asked for, or a stored token replayed, not computed)."""
+        if "logprob" not in line:
+            return None
+        return {**self.named(line["token"]), "logprob": line["logprob"],
+                "top_logprobs": [{**self.named(t), "logprob": lp} for t, lp in line["top_logprobs"]]}
 
     def write(self, text: str) -> None:
         for line in text.splitlines():
@@ -77,23 +93,34 @@ def token_events(pieces: Iterator[str], tokens: Tokens, text: ReplyText, after: 
         for i, line in enumerate(new):
             last = i == len(new) - 1
             if line["position"] > after:
-                yield token_event(line, carry if last else "")
+                yield token_event(line, carry if last else "", tokens)
             if last:
                 carry = ""
     for line in tokens.lines[sent:]:  # tokens that released no piece (EOS, say)
         if line["position"] > after:
-            yield token_event(line, "")
+            yield token_event(line, "", tokens)
     yield {"event": "tail", "text": carry + text.flush()}
 
 
-def token_event(line: dict[str, Any], text: str) -> dict[str, Any]:
-    return {"event": "token", "position": line["position"], "token": line["token"],
-            "logits_sha256": line.get("logits_sha256"), "text": text}
+def token_event(line: dict[str, Any], text: str, tokens: Tokens) -> dict[str, Any]:
+    event = {"event": "token", "position": line["position"], "token": line["token"],
+             "logits_sha256": line.get("logits_sha256"), "text": text}
+    if tokens.top_logprobs is not None:
+        event["logprobs"] = tokens.logprobs(line)
+    return event
+
+
+def _token_name(tokenizer, token: int) -> dict[str, Any]:
+    """A token as OpenAI's logprobs name it: its text and its bytes (a token may hold part of a
+    character: its text then has U+FFFD where the bytes are exact)."""
+    raw = tokenizer.token_bytes(token)
+    return {"token": raw.decode("utf-8", errors="replace"), "bytes": list(raw)}
 
 
 def stored_pieces(decoder, ids: list[int], start: int, tokens: Tokens, skip: frozenset = frozenset()) -> Iterator[str]:
     """The text pieces of stored reply tokens `ids` (from position `start`), each recorded in
-    `tokens` as the trace writer would (without a logits hash: they were not computed again)."""
+    `tokens` as the trace writer would (without a logits hash or log-probabilities: they were not
+    computed again)."""
     for offset, token in enumerate(ids):
         tokens.lines.append({"position": start + offset, "token": token, "logits_sha256": None})
         if token not in skip and (piece := decoder.push(token)):

@@ -21,6 +21,7 @@ from kvstore_serve import engine as engine_module
 from kvstore_serve.batching import Pace
 from kvstore_serve.engine import Engine, Loop
 from test_serve_engine import FakePipe
+from test_serve_logprobs import Collector
 
 CHUNK = 16
 SAMPLING = {"greedy": {"temperature": 0.0}, "seeded": {"temperature": 0.9, "top_p": 0.95}}
@@ -38,15 +39,25 @@ def job(j: int, sampling: str, max_tokens: int) -> dict:
             "sampling": SAMPLING[sampling], "create": {"seed": 100 + j, "chunk_size": CHUNK}}
 
 
-def library_trace(tmp_path, model, j: int, sampling: str, max_tokens: int) -> list[tuple]:
+def library_trace(tmp_path, model, j: int, sampling: str, max_tokens: int, top: int | None = None) -> list[tuple]:
+    """Session j alone through the library: (position, token, logits hash) per token, and with `top`
+    its log-probabilities as `logprob_numbers` gives them."""
     store = kvstore.open_store(tmp_path / f"alone-{j}")
     trace = tmp_path / f"alone-{j}.jsonl"
+    target = str(trace) if top is None else Collector(top)
     with store.new(f"s{j}", model, seed=100 + j, chunk_size=CHUNK) as s:
-        for _ in s.chat(conversation(j), max_new_tokens=max_tokens, trace=str(trace), **SAMPLING[sampling]):
+        for _ in s.chat(conversation(j), max_new_tokens=max_tokens, trace=target, **SAMPLING[sampling]):
             pass
     store.close()
-    lines = [json.loads(line) for line in trace.read_text().splitlines()]
-    return [(d["position"], d["token"], d["logits_sha256"]) for d in lines]
+    lines = [json.loads(line) for line in trace.read_text().splitlines()] if top is None else target.lines
+    return [(d["position"], d["token"], d["logits_sha256"], *logprob_numbers(d, model.tokenizer)) for d in lines]
+
+
+def logprob_numbers(d: dict, tokenizer) -> tuple:
+    """() or (the token's logprob, [(bytes, logprob) of each likeliest token]) of a trace line."""
+    if "logprob" not in d:
+        return ()
+    return d["logprob"], [(tokenizer.token_bytes(t), lp) for t, lp in d["top_logprobs"]]
 
 
 def together(tmp_path, model, jobs: list[dict], monkeypatch, max_slowdown: float = 2.0,
@@ -61,10 +72,16 @@ def together(tmp_path, model, jobs: list[dict], monkeypatch, max_slowdown: float
     finally:
         engine.close()
         store.close()
-    events = {j["id"]: [(m["position"], m["token"], m["logits_sha256"]) for m in pipe.sent
+    events = {j["id"]: [(m["position"], m["token"], m["logits_sha256"], *event_logprobs(m)) for m in pipe.sent
                         if m.get("id") == j["id"] and m["event"] == "token"] for j in jobs}
     steps = [s for m in pipe.sent if m["event"] == "stats" for s in m["steps"]]
     return events, steps
+
+
+def event_logprobs(m: dict) -> tuple:
+    """() or (the token's logprob, [(bytes, logprob) of each likeliest token]) of a token event."""
+    e = m.get("logprobs")
+    return () if e is None else (e["logprob"], [(bytes(t["bytes"]), t["logprob"]) for t in e["top_logprobs"]])
 
 
 @pytest.fixture(scope="module", params=["dense", "stored-q4_1"])
@@ -86,6 +103,19 @@ def test_every_session_in_a_batch_replies_as_the_library_alone(tmp_path, batched
     assert max(sessions for sessions, *_ in steps) == company + 1  # all of them in one forward, at times
     assert any(decode and prefill for _, decode, prefill, *_ in steps)  # decode tokens beside prompt chunks
     assert all(0 < model_s < step_s for *_, model_s, step_s in steps)  # the forward's seconds within the step's
+
+
+def test_logprobs_in_a_batch_are_the_librarys_alone(tmp_path, batched_model, monkeypatch):
+    """Each token's log-probabilities come from its logits row alone: beside 3 others (one reading a
+    long prompt), the numbers are the library's for the session alone, float for float."""
+    jobs = [job(j, "seeded", 10) | {"logprobs": 3} for j in range(4)]
+    events, steps = together(tmp_path, batched_model, jobs, monkeypatch)
+    for j in range(4):
+        alone = library_trace(tmp_path, batched_model, j, "seeded", 10, top=3)
+        assert len(alone[0]) == 5 and len(alone[0][4]) == 3
+        assert events[f"j{j}"] == alone, f"session s{j}"
+    assert max(sessions for sessions, *_ in steps) == 4
+
 
 
 @pytest.mark.realmodel

@@ -96,6 +96,17 @@ def test_stream_decoder_never_splits_a_character(toks):
     assert not any("\ufffd" in p for p in pieces)
 
 
+@pytest.mark.parametrize("text", TEXTS)
+def test_token_bytes_spell_the_text_exactly(toks, text):
+    """What the logprobs entries name a token with: its bytes, a part of a character where it holds
+    one (byte-level BPE), so that the tokens' bytes together are the text's UTF-8."""
+    for tok in toks[:2]:
+        ids = tok.encode(text)
+        assert b"".join(tok.token_bytes(i) for i in ids) == text.encode("utf-8")
+    assert any(len(toks[0].token_bytes(i)) == 1 and toks[0].token_bytes(i)[0] >= 0x80
+               for i in toks[0].encode(TEXTS[6]))  # single bytes of multi-byte characters among them
+
+
 # -- chat templates -----------------------------------------------------------------------------------------
 def test_chat_template_from_gguf_and_folder_render_chatml(toks):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]

@@ -60,6 +60,16 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], *, skip_special: bool = False) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special)
 
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes one token stands for: exact where the vocabulary spells bytes (byte-level BPE,
+        GPT-2's table: a token may hold part of a character), else the UTF-8 of its text alone."""
+        piece = self.backend.id_to_token(token)
+        if piece is None:
+            return b""
+        if isinstance(self.backend.decoder, decoders.ByteLevel) and all(c in _UNICODE_TO_BYTE for c in piece):
+            return bytes(_UNICODE_TO_BYTE[c] for c in piece)
+        return self.decode([token]).encode("utf-8")
+
     def render_chat(self, messages: list[dict[str, str]], *, add_generation_prompt: bool = True) -> str:
         if not self.chat_template:
             raise ModelError("this model has no chat template; feed raw text instead (--raw)")
@@ -147,6 +157,9 @@ def _bytes_to_unicode() -> dict[int, str]:
             table[b] = chr(256 + extra)
             extra += 1
     return table
+
+
+_UNICODE_TO_BYTE = {c: b for b, c in _bytes_to_unicode().items()}
 
 
 def _token(tokens: list[str], index: int | None) -> str | None:

@@ -53,7 +53,7 @@ async def answer(request: Request, body, who: Tenant, x_session_id: str | None, 
     spec: dict[str, Any] = {
         **job, "session": who.stored(public), "max_tokens": svc.max_tokens(body.limit()), "stop": body.stop,
         "sampling": body.sampler(), "create": svc.new_session_settings(body.seed, body.sampler()), "seed": body.seed,
-        "trace": body.kvstore_trace}
+        "trace": body.kvstore_trace, "logprobs": body.alternatives()}
     if resume:
         spec.update(after=resume.after, reply_start=resume.start)
     elif own and svc.config.prefix_cache:  # from the longest stored prefix of its prompt (C10)
@@ -91,6 +91,7 @@ class Reply:
         self.created = int(time.time())
         self.text: list[str] = []
         self.lines: list[dict[str, Any]] = []
+        self.logprobs: list[dict[str, Any] | None] | None = None if run.spec.get("logprobs") is None else []
         self.start: int | None = run.spec.get("reply_start")  # else the first token's position, when known
         if self.start is None:
             self.start = next((e["position"] for e in first if e["event"] == "token"), None)
@@ -103,6 +104,8 @@ class Reply:
             if self.start is None:
                 self.start = event["position"]
             self.lines.append(trace_line(event))
+            if self.logprobs is not None:
+                self.logprobs.append(event.get("logprobs"))
         elif kind == "end":
             self.end = event
         else:
@@ -122,7 +125,8 @@ class Reply:
     def opening(self) -> list[dict[str, Any]]:
         return []
 
-    def piece(self, text: str, finish: str | None = None, **extra) -> dict[str, Any]:
+    def piece(self, text: str, finish: str | None = None, logprobs: list | None = None, **extra) -> dict[str, Any]:
+        """One chunk: `text`, and the logprobs entries of the tokens it reports (None: not asked for)."""
         raise NotImplementedError
 
     def stream(self, events: AsyncIterator[dict[str, Any]], include_usage: bool, drop, *,
@@ -142,8 +146,10 @@ class Reply:
         try:
             async for event in events:
                 text = self.take(event)
-                if event["event"] == "token" and (text or self.trace):
+                if event["event"] == "token" and (text or self.trace or self.logprobs is not None):
                     extra = {"kvstore": {"trace": [trace_line(event)]}} if self.trace else {}
+                    if self.logprobs is not None:  # a token that released no text yet still has its entry
+                        extra["logprobs"] = self.logprobs[-1:]
                     yield ServerSentEvent(data(self.piece(text, **extra)),
                                           id=event_id(public, self.start, event["position"]))
         except ApiError as e:

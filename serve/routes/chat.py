@@ -35,12 +35,21 @@ class ChatReply(Reply):
         end = self.end
         return self.head(object="chat.completion", choices=[
             {"index": 0, "message": {"role": "assistant", "content": "".join(self.text)},
-             "finish_reason": end["finish_reason"], "logprobs": None}], usage=usage(end), kvstore=self.extras())
+             "finish_reason": end["finish_reason"], "logprobs": chat_logprobs(self.logprobs)}], usage=usage(end),
+            kvstore=self.extras())
 
     def opening(self) -> list[dict[str, Any]]:
         return [self.head(choices=[{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
                                     "logprobs": None}])]
 
-    def piece(self, text: str, finish: str | None = None, **extra) -> dict[str, Any]:
+    def piece(self, text: str, finish: str | None = None, logprobs: list | None = None, **extra) -> dict[str, Any]:
         delta = {"content": text} if text or finish is None else {}
-        return self.head(choices=[{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}], **extra)
+        return self.head(choices=[{"index": 0, "delta": delta, "finish_reason": finish,
+                                   "logprobs": chat_logprobs(logprobs)}], **extra)
+
+
+def chat_logprobs(entries: list | None) -> dict[str, Any] | None:
+    """A choice's `logprobs`: `{"content": [entry per token], "refusal": None}`, or None where none
+    was asked for or none was computed (tokens a resumed stream replays from the store)."""
+    content = [e for e in entries or () if e is not None]
+    return {"content": content, "refusal": None} if content else None

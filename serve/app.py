@@ -14,6 +14,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
@@ -52,8 +53,17 @@ def create_app(config: ServeConfig) -> FastAPI:
         app.include_router(module.router)
     install_errors(app)
     app.add_middleware(BodyLimit, limit=config.max_body)
-    app.add_middleware(observer.Observer, metrics=service.metrics, log_format=config.log_format)  # outermost
+    app.add_middleware(observer.Observer, metrics=service.metrics, log_format=config.log_format)
+    if config.allowed_origins:  # outermost: preflights answered before anything, every answer readable
+        app.add_middleware(CORSMiddleware, allow_origins=config.allowed_origins, allow_methods=CORS_METHODS,
+                           allow_headers=CORS_HEADERS, expose_headers=["Retry-After"], max_age=600)
     return app
+
+
+# what a page of an allowed origin may send: the API's methods, and any header (the preflight's are
+# named back: the key, X-Session-Id, Last-Event-ID, the openai package's own)
+CORS_METHODS = ["GET", "POST", "DELETE"]
+CORS_HEADERS = ["*"]
 
 
 def install_errors(app: FastAPI) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import os
+import re
 import signal
 import sys
 from pathlib import Path
@@ -49,6 +50,11 @@ def is_loopback(host: str) -> bool:
                    "Also $KVSTORE_API_KEYS (comma-separated).")
 @click.option("--allow-unauthenticated", is_flag=True,
               help="Serve a non-loopback address without API keys (refused otherwise).")
+@click.option("--allowed-origins", "origins", multiple=True, metavar="ORIGINS",
+              help="Web origins whose pages may call the API from a browser (CORS), comma-separated or the "
+                   "option repeated, e.g. http://localhost:3000; * for any (needs API keys, or "
+                   "--allow-unauthenticated: any page the user opens could then read and delete the sessions). "
+                   "None by default: pages of other origins cannot read the answers.")
 @click.option("--max-queue", default=64, show_default=True, type=click.IntRange(0, 100000),
               help="Requests that may wait for their session or an engine; beyond: 429 with Retry-After.")
 @click.option("--max-running", default=8, show_default=True, type=click.IntRange(1, 1024),
@@ -91,7 +97,7 @@ def is_loopback(host: str) -> bool:
               help="One line per request: key=value text, or a JSON object.")
 @click.pass_obj
 def serve(app, host, port, model, served_model_name, dtype, weights, device, workers, threads, api_key_file, allow_unauthenticated,
-          max_queue, max_running, kv_memory, prefix_cache, step_tokens, max_slowdown, max_open, max_tokens, max_body, max_import, chunk_size, checkpoint_every, grace,
+          origins, max_queue, max_running, kv_memory, prefix_cache, step_tokens, max_slowdown, max_open, max_tokens, max_body, max_import, chunk_size, checkpoint_every, grace,
           keep_alive, log_format):
     """Serve the store over HTTP: an OpenAI-compatible API.
 
@@ -133,14 +139,42 @@ def serve(app, host, port, model, served_model_name, dtype, weights, device, wor
     if not keys and not is_loopback(host) and not allow_unauthenticated:
         raise click.UsageError(f"--host {host} is reachable from other machines and no API keys are set: pass "
                                "--api-key-file (or $KVSTORE_API_KEYS), or --allow-unauthenticated to serve it open")
+    try:
+        allowed = parse_origins(origins)
+    except ValueError as e:
+        raise click.UsageError(f"--allowed-origins: {e}") from None
+    if "*" in allowed and not keys and not allow_unauthenticated:
+        raise click.UsageError("--allowed-origins '*' without API keys would let any web page the user opens read "
+                               "and delete the sessions: pass --api-key-file (or $KVSTORE_API_KEYS), name the "
+                               "origins, or add --allow-unauthenticated to serve it so")
     config = ServeConfig(home=getattr(app, "home", None), index=getattr(app, "index", None), model=model,
                          model_id=served_model_name, dtype=dtype, weights=weights, device=device, host=host, port=port,
                          workers=workers, threads=threads, api_keys=keys, allow_open=allow_unauthenticated,
+                         allowed_origins=allowed,
                          max_queue=max_queue, max_running=max_running, max_open=max_open, kv_memory=memory, prefix_cache=prefix_budget,
                          step_tokens=step_tokens, max_slowdown=max_slowdown, max_tokens=max_tokens, max_body=max_body, max_import=max_import,
                          chunk_size=chunk_size, checkpoint_every=checkpoint_every, grace=grace,
                          keep_alive=keep_alive, log_format=log_format)
     run(config)
+
+
+def parse_origins(values: tuple[str, ...]) -> list[str]:
+    """The origins of --allowed-origins (each value comma-separated): `*`, or scheme://host[:port] of
+    http or https with nothing after it, as browsers send them in the Origin header; ValueError
+    naming one that is not."""
+    out: list[str] = []
+    for part in (p.strip() for v in values for p in v.split(",")):
+        if not part:
+            continue
+        if part != "*" and not ORIGIN.fullmatch(part):
+            raise ValueError(f"{part!r} is not an origin: write scheme://host[:port] (http or https, no path), "
+                             "e.g. http://localhost:3000, or * for any")
+        if part not in out:
+            out.append(part)
+    return out
+
+
+ORIGIN = re.compile(r"https?://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+)(:[0-9]{1,5})?")
 
 
 def run(config: ServeConfig) -> None:

@@ -42,6 +42,7 @@ class ServeConfig:
     threads: int = 0  # torch threads per engine (0: the CPUs / workers)
     api_keys: list[str] = field(default_factory=list)
     allow_open: bool = False  # serve a non-loopback address without keys
+    allowed_origins: list[str] = field(default_factory=list)  # web origins allowed to call from a browser (CORS)
     max_queue: int = 64  # requests that may wait; beyond: 429
     max_running: int = 8  # requests running at once on one engine (their decode steps interleave)
     max_open: int = 100000  # sessions an engine keeps open between requests (besides the KV memory's bound)

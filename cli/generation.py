@@ -22,7 +22,7 @@ import kvstore
 
 from .render import Stream, Timer, note, prefill_bar, rate
 
-SAMPLING = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
+SAMPLING = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 
 
 @dataclass
@@ -37,6 +37,8 @@ class Options:
     top_p: float | None
     min_p: float | None
     repetition_penalty: float | None
+    presence_penalty: float | None
+    frequency_penalty: float | None
     checkpoint_every: int | None
     device: str
     dtype: str | None
@@ -76,6 +78,10 @@ def generation_options(continuing: bool) -> Callable:
         o("--top-p", type=click.FloatRange(0, 1, min_open=True), help="Nucleus sampling mass (1: off)."),
         o("--min-p", type=click.FloatRange(0, 1, max_open=True), help="Drop tokens below P x the top one (0: off)."),
         o("--repetition-penalty", type=click.FloatRange(0, min_open=True), help="Penalise recent tokens (1: off)."),
+        o("--presence-penalty", type=click.FloatRange(-2, 2),
+          help="Subtract this from the logit of each token the reply has generated (OpenAI's; 0: off)."),
+        o("--frequency-penalty", type=click.FloatRange(-2, 2),
+          help="Subtract this times how often the reply has generated a token from its logit (OpenAI's; 0: off)."),
         o("--checkpoint-every", type=click.IntRange(min=1),
           help=f"Checkpoint every N generated tokens [default: {every_default}]."),
         o("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,

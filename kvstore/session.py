@@ -353,6 +353,7 @@ class Session:
 
         try:
             for event in self.seq.generate(self.settings, seed=self.seed, max_new_tokens=max(remaining, 0),
+                                           reply_start=call["start"],
                                            stop_ids=tok.eos_ids if call.get("stop_at_eos", True) else (),
                                            should_stop=should_stop, fed=fed):
                 writer.write(event.position, event.token, event.logits)

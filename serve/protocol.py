@@ -29,6 +29,7 @@ UNSUPPORTED = {
     "truncation": "truncation is not supported", "prompt": "prompt templates are not supported",
 }
 MAX_STOPS = 4
+SAMPLER_FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 MAX_TOP_LOGPROBS = 20  # chat's top_logprobs, as OpenAI bounds it
 MAX_COMPLETION_LOGPROBS = 5  # the completions API's logprobs (alternatives per token), as OpenAI bounds it
 
@@ -79,8 +80,11 @@ class Sampling(Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int | None = 1
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    top_k: int | None = Field(None, ge=0)  # vLLM's and llama.cpp's extensions, the library's settings
+    min_p: float | None = Field(None, ge=0, lt=1)
+    repetition_penalty: float | None = Field(None, gt=0)
     user: str | None = None
     metadata: dict[str, str] | None = None
     store: bool | None = None
@@ -93,13 +97,6 @@ class Sampling(Strict):
     def _one(cls, v):
         if v not in (None, 1):
             raise ValueError("unsupported:n:only n=1 is supported (one reply per request)")
-        return v
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalty(cls, v):
-        if v not in (None, 0, 0.0):
-            raise ValueError("unsupported:penalty:presence and frequency penalties are not supported")
         return v
 
     @field_validator("stop")
@@ -115,11 +112,11 @@ class Sampling(Strict):
         return None
 
     def sampler(self) -> dict[str, float]:
-        out = {}
-        if self.temperature is not None:
-            out["temperature"] = float(self.temperature)
-        if self.top_p is not None:
-            out["top_p"] = float(self.top_p)
+        """The sampler settings the request gives (kvstore.SamplerSettings' names); a session keeps
+        those it is not given."""
+        out: dict[str, float] = {name: float(v) for name in SAMPLER_FLOATS if (v := getattr(self, name)) is not None}
+        if self.top_k is not None:
+            out["top_k"] = int(self.top_k)
         return out
 
 

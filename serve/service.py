@@ -82,7 +82,7 @@ class Service:
 
     def new_session_settings(self, seed: int | None, sampling: dict[str, float]) -> dict[str, Any]:
         """How a session this request creates is made: OpenAI's defaults (temperature 1) unless asked."""
-        create: dict[str, Any] = {"seed": seed if seed is not None else uuid.uuid4().int % 2**62,
+        create: dict[str, Any] = {**sampling, "seed": seed if seed is not None else uuid.uuid4().int % 2**62,
                                   "temperature": sampling.get("temperature", 1.0),
                                   "top_p": sampling.get("top_p", 1.0)}
         if self.config.chunk_size:

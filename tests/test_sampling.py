@@ -1,5 +1,6 @@
 """Sampling: the draw for position p is a function of (seed, p) alone (contract C3), and the
-filters (temperature, top-k, top-p, min-p, repetition penalty) do what their names say."""
+filters (temperature, top-k, top-p, min-p, repetition penalty, OpenAI's presence and frequency
+penalties) do what their names say."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvstore.errors import KvstoreError
-from kvstore.engine.sampling import (SamplerSettings, apply_repetition_penalty, draw, min_p_mask, probabilities, sample,
-                              top_k_mask, top_p_mask, uniform)
+import kvstore
+from kvstore.engine.sampling import (SamplerSettings, apply_repetition_penalty, apply_reply_penalties, draw, min_p_mask,
+                                     probabilities, sample, top_k_mask, top_p_mask, uniform)
 
 WARM = SamplerSettings(temperature=1.0)
 
@@ -191,10 +193,62 @@ def test_repetition_penalty_looks_only_at_the_recent_window():
     assert sample(logits, s, seed=0, position=9, history=[2, 0, 2]) == 1
 
 
+# -- presence and frequency penalties (OpenAI's) -------------------------------------------------------------
+def test_reply_penalties_subtract_presence_and_frequency_times_the_count():
+    logits = torch.tensor([1.0, 1.0, 1.0, 1.0])
+    out = apply_reply_penalties(logits, [2, 0, 2, 2], presence=0.5, frequency=0.25)
+    assert out.tolist() == [1.0 - 0.75, 1.0, 1.0 - 1.25, 1.0]
+    assert logits.tolist() == [1.0] * 4  # the input is left alone
+    assert apply_reply_penalties(logits, [1], presence=-1.0, frequency=0.0).tolist() == [1.0, 2.0, 1.0, 1.0]
+
+
+def test_reply_penalties_count_only_the_reply_and_change_the_greedy_choice():
+    logits = torch.tensor([2.0, 1.9, 0.0])
+    s = SamplerSettings(presence_penalty=0.2)
+    assert sample(logits, s, seed=0, position=5, history=[1, 0, 2], reply_start=2) == 0  # the reply: [2]
+    assert sample(logits, s, seed=0, position=5, history=[1, 0, 2], reply_start=1) == 1  # [0, 2]: 1.8 < 1.9
+    assert sample(logits, s, seed=0, position=5, history=[1, 0, 2], reply_start=0) == 0  # both: 1.8 > 1.7
+    assert sample(logits, s, seed=0, position=5, history=[1, 0, 2]) == 0  # no reply named: no penalty
+    f = SamplerSettings(frequency_penalty=0.15)
+    assert sample(logits, f, seed=0, position=5, history=[0, 1], reply_start=0) == 0  # 2.0-0.15 > 1.9-0.15
+    assert sample(logits, f, seed=0, position=5, history=[0, 0, 1], reply_start=0) == 1  # 2.0-0.3 < 1.9-0.15
+
+
+def test_a_reply_with_penalties_resumed_after_an_interruption_is_the_uninterrupted_one(tmp_path, model):
+    """The penalties count the reply's tokens from where it began, not from where the resumed
+    generation took over, so the resumed reply draws what the uninterrupted one drew."""
+    settings = dict(temperature=0.9, presence_penalty=1.5, frequency_penalty=0.7)
+    store = kvstore.open_store(tmp_path / "home")
+    with store.new("whole", model, seed=3, **settings) as s:
+        s.append_text("once upon a time")
+        whole = list(s.generate(24, stop_at_eos=False))
+    with store.new("cut", model, seed=3, **settings) as s:
+        s.append_text("once upon a time")
+        cut = s.generate(24, stop_at_eos=False)
+        first = [next(cut) for _ in range(9)]
+        cut.close()  # interrupted: the call stays open, checkpointed
+    with store.open("cut", model) as s:
+        rest = resumed_ids(s)
+    with store.new("plain", model, seed=3, temperature=0.9) as s:
+        s.append_text("once upon a time")
+        plain = list(s.generate(24, stop_at_eos=False))
+    store.close()
+    assert first + rest == whole
+    assert plain != whole  # the penalties did something
+
+
+def resumed_ids(session) -> list[int]:
+    """The ids a resumed generation adds (Session.resume yields text; the tokens are the session's)."""
+    before = len(session.tokens)
+    "".join(session.resume())
+    return session.tokens[before:]
+
+
 # -- settings -----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("bad", [dict(temperature=-0.1), dict(top_k=-1), dict(top_p=0.0), dict(top_p=1.5),
                                  dict(min_p=1.0), dict(min_p=-0.1), dict(repetition_penalty=0.0),
-                                 dict(repetition_window=-1), dict(top_k=2.5), dict(repetition_window=8.0)])
+                                 dict(repetition_window=-1), dict(top_k=2.5), dict(repetition_window=8.0),
+                                 dict(presence_penalty=2.5), dict(frequency_penalty=-2.1)])
 def test_invalid_settings_are_refused_with_the_setting_named(bad):
     (name,) = bad
     with pytest.raises(KvstoreError, match=name):
@@ -206,6 +260,14 @@ def test_settings_round_trip_through_a_dict_and_refuse_unknown_keys():
     assert SamplerSettings.from_dict(s.to_dict()) == s
     with pytest.raises(KvstoreError, match="temprature"):
         SamplerSettings.from_dict({"temprature": 0.7})
+
+
+def test_penalties_are_written_only_where_they_are_on():
+    """Rows and archives of sessions without them read in versions that predate them."""
+    assert "presence_penalty" not in SamplerSettings(temperature=0.7).to_dict()
+    s = SamplerSettings(frequency_penalty=0.5)
+    assert s.to_dict()["frequency_penalty"] == 0.5 and "presence_penalty" not in s.to_dict()
+    assert SamplerSettings.from_dict(s.to_dict()) == s
 
 
 def test_default_settings_are_greedy():

@@ -37,20 +37,20 @@ def server(tmp_path_factory, model_folder):
         yield s
 
 
-def chat(client, session: str | None, messages: list[dict], max_tokens: int = 24, **kw):
-    extra = {"kvstore_trace": True, **({"session": session} if session else {})}
+def chat(client, session: str | None, messages: list[dict], max_tokens: int = 24, extra_body_more=None, **kw):
+    extra = {"kvstore_trace": True, **({"session": session} if session else {}), **(extra_body_more or {})}
     return client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=max_tokens,
                                           extra_body=extra, **{**SAMPLING, **kw})
 
 
 def library_conversation(folder: str, home, turns: list[str], max_tokens: int = 24,
-                         chunk: int = CHUNK) -> list[list[dict]]:
-    """The same conversation through the library: trace lines per turn."""
+                         chunk: int = CHUNK, more: dict | None = None) -> list[list[dict]]:
+    """The same conversation through the library: trace lines per turn (`more`: other sampler settings)."""
     model = kvstore.load_model(folder)
     store = kvstore.open_store(home)
     traces = []
     with single_thread(), store.new("lib", model, seed=SAMPLING["seed"], chunk_size=chunk,
-                                    temperature=SAMPLING["temperature"], top_p=SAMPLING["top_p"]) as s:
+                                    temperature=SAMPLING["temperature"], top_p=SAMPLING["top_p"], **(more or {})) as s:
         for i, turn in enumerate(turns):
             path = home / f"turn-{i}.jsonl"
             "".join(s.chat(turn, max_tokens, trace=str(path)))
@@ -76,6 +76,16 @@ def test_a_conversation_over_http_is_the_librarys_bit_for_bit(server, model_fold
         assert reply.usage.completion_tokens == len(reply.kvstore["trace"])
     assert library_conversation(model_folder, tmp_path / "lib", TURNS) == http_traces
     assert cached[0] == 0 and cached[1] > 0 and cached[2] > cached[1]  # later turns feed only the new message
+
+
+def test_every_sampler_setting_over_http_is_the_librarys(server, model_folder, tmp_path):
+    """OpenAI's presence and frequency penalties and the library's top_k, min_p and repetition penalty
+    (vLLM's names): the reply is the library's with the same settings, token for token and bit for bit."""
+    more = {"presence_penalty": 1.2, "frequency_penalty": 0.6, "top_k": 40, "min_p": 0.02, "repetition_penalty": 1.1}
+    reply = chat(server.client(), "tuned", [{"role": "user", "content": TURNS[0]}], extra_body_more=more)
+    assert library_conversation(model_folder, tmp_path / "lib", TURNS[:1], more=more) == [reply.kvstore["trace"]]
+    plain = library_conversation(model_folder, tmp_path / "plain", TURNS[:1])
+    assert [t["token"] for t in plain[0]] != [t["token"] for t in reply.kvstore["trace"]]  # they did something
 
 
 def test_streaming_gives_the_same_reply_as_a_whole_response(server):

@@ -2,8 +2,11 @@
 
 The uniform number that picks the token at absolute position p is derived from blake2b(seed, p), so
 no RNG state exists to be saved: a resumed session draws exactly what an uninterrupted one would.
-Sampling runs on the CPU in float32: repetition penalty, then temperature, top-k, top-p, min-p,
-then an inverse-CDF draw over the surviving tokens in id order. Temperature 0 is greedy (argmax).
+Sampling runs on the CPU in float32: repetition penalty, then OpenAI's presence and frequency
+penalties (over the tokens the reply has generated so far, counted from where it began, so that a
+resumed reply counts what it generated before the interruption), then temperature, top-k, top-p,
+min-p, then an inverse-CDF draw over the surviving tokens in id order. Temperature 0 is greedy
+(argmax, after the penalties).
 The settings themselves (`SamplerSettings`) live in the torch-free `settings` module.
 """
 
@@ -24,11 +27,16 @@ def uniform(seed: int, position: int) -> float:
 
 
 def sample(logits: torch.Tensor, settings: SamplerSettings, *, seed: int, position: int,
-           history: Sequence[int] = ()) -> int:
-    """The token id at `position` from a float32 logits row `[vocab]`."""
+           history: Sequence[int] = (), reply_start: int | None = None) -> int:
+    """The token id at `position` from a float32 logits row `[vocab]`; `history`: the tokens before
+    `position`, the reply's from `reply_start` (None: no reply penalties)."""
     logits = logits.detach().to("cpu", torch.float32).reshape(-1)
     if settings.repetition_penalty != 1.0 and settings.repetition_window and history:
         logits = apply_repetition_penalty(logits, history[-settings.repetition_window:], settings.repetition_penalty)
+    if (settings.presence_penalty or settings.frequency_penalty) and reply_start is not None \
+            and len(history) > reply_start:
+        logits = apply_reply_penalties(logits, history[reply_start:], settings.presence_penalty,
+                                       settings.frequency_penalty)
     if settings.greedy:  # numpy's argmax: torch's, the first maximum (or NaN), in a tenth of its 100 µs here
         return int(logits.numpy().argmax())
     probs = probabilities(logits, settings)
@@ -41,6 +49,16 @@ def apply_repetition_penalty(logits: torch.Tensor, recent: Sequence[int], penalt
     out = logits.clone()
     picked = out[ids]
     out[ids] = torch.where(picked > 0, picked / penalty, picked * penalty)
+    return out
+
+
+def apply_reply_penalties(logits: torch.Tensor, generated: Sequence[int], presence: float,
+                          frequency: float) -> torch.Tensor:
+    """OpenAI's penalties: each token the reply has generated c times loses frequency x c + presence
+    (float32, in that order)."""
+    ids, counts = torch.unique(torch.tensor(list(generated), dtype=torch.long), return_counts=True)
+    out = logits.clone()
+    out[ids] = out[ids] - (counts.to(torch.float32) * frequency + presence)
     return out
 
 

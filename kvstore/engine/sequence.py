@@ -124,11 +124,14 @@ class Sequence:
 
     def generate(self, settings: SamplerSettings, *, seed: int, max_new_tokens: int,
                  stop_ids: Seq[int] = (), should_stop: Callable[[list[int]], bool] | None = None,
-                 fed: Callable[[], None] | None = None) -> Iterator[TokenEvent]:
+                 fed: Callable[[], None] | None = None, reply_start: int | None = None) -> Iterator[TokenEvent]:
         """Sample up to max_new_tokens; stops after an id in stop_ids, when should_stop(new ids) is
         true, or at the end of the context. `stop_reason` says which. `fed()` is called before each
-        sample, when every token is in the cache and `hidden` is set: the moment to checkpoint."""
+        sample, when every token is in the cache and `hidden` is set: the moment to checkpoint.
+        `reply_start`: where the reply began, for the presence and frequency penalties (default:
+        here; a reply resumed after an interruption gives its own)."""
         new: list[int] = []
+        reply_start = len(self.tokens) if reply_start is None else reply_start
         self.stop_reason = "length"
         for _ in range(max_new_tokens):
             position = len(self.tokens)
@@ -138,7 +141,8 @@ class Sequence:
             logits = self.next_logits()
             if fed is not None:
                 fed()
-            token = sample(logits, settings, seed=seed, position=position, history=self.tokens)
+            token = sample(logits, settings, seed=seed, position=position, history=self.tokens,
+                           reply_start=reply_start)
             self.add([token])  # and the state, the previous token's, goes
             new.append(token)
             yield TokenEvent(position, token, logits)

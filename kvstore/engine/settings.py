@@ -13,6 +13,9 @@ from typing import Any
 
 from ..errors import InvalidArgument
 
+WRITTEN_WHEN_ON = ("presence_penalty", "frequency_penalty")  # see SamplerSettings.to_dict
+
+
 @dataclass(frozen=True)
 class SamplerSettings:
     temperature: float = 0.0
@@ -21,6 +24,8 @@ class SamplerSettings:
     min_p: float = 0.0  # 0: off
     repetition_penalty: float = 1.0  # 1: off
     repetition_window: int = 64  # how many previous tokens the penalty looks at
+    presence_penalty: float = 0.0  # OpenAI's: off each token the reply has generated already (0: off)
+    frequency_penalty: float = 0.0  # OpenAI's: off each token, times how often the reply has generated it (0: off)
 
     def __post_init__(self):
         whole = lambda v: isinstance(v, numbers.Integral) and not isinstance(v, bool)  # noqa: E731
@@ -32,13 +37,18 @@ class SamplerSettings:
             (0 <= self.min_p < 1, "min_p must be in [0, 1)"),
             (self.repetition_penalty > 0, "repetition_penalty must be > 0 (1 turns it off)"),
             (self.repetition_window >= 0, "repetition_window must be >= 0"),
+            (-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2] (0 turns it off)"),
+            (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2] (0 turns it off)"),
         ]
         for ok, message in checks:
             if not ok:
                 raise InvalidArgument(f"bad sampler setting: {message}")
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The settings as a session's row and an archive's manifest record them. The penalties added
+        after archive format v5 only where they are on: a session that does not use them is written
+        as before, so older versions read it."""
+        return {k: v for k, v in asdict(self).items() if k not in WRITTEN_WHEN_ON or v}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "SamplerSettings":

@@ -49,9 +49,12 @@ def conversation_object(public: str, info) -> dict[str, Any]:
     return {"id": public, "object": "conversation", "created_at": epoch(info.created_at), "metadata": {}}
 
 
-def message_item(item_id: str, role: str, text: str, status: str = "completed") -> dict[str, Any]:
+def message_item(item_id: str, role: str, text: str, status: str = "completed",
+                 logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """A message as an item; an assistant's output text with its tokens' `logprobs` entries (none
+    unless a response asked for them: a stored one read back has them no more)."""
     if role == "assistant":
-        part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+        part = {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
     else:
         part = {"type": "input_text", "text": text}
     return {"type": "message", "id": item_id, "role": role, "status": status, "content": [part]}

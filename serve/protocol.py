@@ -17,21 +17,26 @@ UNSUPPORTED = {
     "tools": "tool calls are not supported", "tool_choice": "tool calls are not supported",
     "functions": "function calls are not supported", "function_call": "function calls are not supported",
     "parallel_tool_calls": "tool calls are not supported",
-    "logprobs": "logprobs are given by /v1/chat/completions and /v1/completions, not here",
-    "top_logprobs": "logprobs are given by /v1/chat/completions and /v1/completions, not here",
+    "logprobs": "logprobs are not supported here", "top_logprobs": "logprobs are not supported here",
     "logit_bias": "logit_bias is not supported", "response_format": "structured output is not supported",
     "audio": "audio is not supported", "modalities": "only text is supported",
     "prediction": "predicted outputs are not supported", "web_search_options": "web search is not supported",
     "best_of": "best_of is not supported", "suffix": "suffix is not supported",
     "echo": "echo is not supported", "reasoning_effort": "reasoning options are not supported",
     "reasoning": "reasoning options are not supported", "text": "text format options are not supported",
-    "include": "include is not supported", "background": "background responses are not supported",
+    "include": "include is not supported here", "background": "background responses are not supported",
     "truncation": "truncation is not supported", "prompt": "prompt templates are not supported",
 }
 MAX_STOPS = 4
 SAMPLER_FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 MAX_TOP_LOGPROBS = 20  # chat's top_logprobs, as OpenAI bounds it
 MAX_COMPLETION_LOGPROBS = 5  # the completions API's logprobs (alternatives per token), as OpenAI bounds it
+LOGPROBS_INCLUDE = "message.output_text.logprobs"  # what a response's `include` names to get them
+# what else OpenAI's Responses API may be asked to include: output this server never makes (tool
+# calls, images, reasoning), so there is nothing to include and the request is answered as is
+NOTHING_TO_INCLUDE = {"code_interpreter_call.outputs", "computer_call_output.output.image_url",
+                      "file_search_call.results", "message.input_image.image_url", "reasoning.encrypted_content",
+                      "web_search_call.action.sources"}
 
 
 class Strict(BaseModel):
@@ -205,6 +210,24 @@ class ResponseRequest(Strict):
     prompt_cache_key: str | None = None  # no effect: every response's KV is kept anyway
     safety_identifier: str | None = None
     kvstore_trace: bool = False
+    include: list[str] | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    @field_validator("include")
+    @classmethod
+    def _known_includes(cls, v):
+        unknown = sorted(set(v or ()) - NOTHING_TO_INCLUDE - {LOGPROBS_INCLUDE})
+        if unknown:
+            raise ValueError(f"{unknown[0]!r} is not something a response can include "
+                             f"(e.g. {LOGPROBS_INCLUDE!r})")
+        return v
+
+    def alternatives(self) -> int | None:
+        """None, or how many likeliest tokens each output token's logprobs list: asked for by
+        `include` (or by `top_logprobs` alone)."""
+        if LOGPROBS_INCLUDE in (self.include or ()) or self.top_logprobs:
+            return self.top_logprobs or 0
+        return None
 
     @field_validator("input")
     @classmethod

@@ -1,5 +1,6 @@
-"""Log-probabilities over HTTP: OpenAI's `logprobs` / `top_logprobs` (chat) and `logprobs: k`
-(completions), as byte-identical as the logits they come from.
+"""Log-probabilities over HTTP: OpenAI's `logprobs` / `top_logprobs` (chat), `logprobs: k`
+(completions) and `include: ["message.output_text.logprobs"]` (responses), as byte-identical as the
+logits they come from.
 
 Each token's entry is the natural log of its probability under the model's distribution (the float32
 log-softmax of the logits row it was sampled from, before temperature and top-p) and the k likeliest
@@ -145,7 +146,8 @@ def test_no_logprobs_unless_asked(server):
     ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),  # needs logprobs: true
     ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ("/v1/completions", {"logprobs": 6}, "logprobs"),
-    ("/v1/responses", {"top_logprobs": 2}, "top_logprobs"),  # the Responses API does not give them
+    ("/v1/responses", {"top_logprobs": 21}, "top_logprobs"),
+    ("/v1/responses", {"include": ["message.output_text.logprob"]}, "include"),  # a typo is no include
 ])
 def test_logprobs_out_of_bounds_are_400s_naming_the_field(server, path, body, param):
     base = {"model": MODEL_NAME, "max_tokens": 2}
@@ -172,3 +174,33 @@ def test_tokens_a_resumed_stream_replays_from_the_store_have_none(server):
     after = [i for i, _ in whole].index(ids[4]) + 1
     assert text_of(rest) == text_of(whole[after:]) and text_of(rest)
     assert replayed and all(d["choices"][0]["logprobs"] is None for d in replayed)
+
+
+def test_a_responses_logprobs_are_chats_for_the_same_conversation(server):
+    """The Responses API asks with `include` (and `top_logprobs`); its entries are those a chat
+    completion gets for the same conversation, whole and streamed (deltas, then all at the end)."""
+    client = server.client()
+    chat_reply = client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "what now"}], max_tokens=10, logprobs=True,
+        top_logprobs=2, **SEEDED)
+    expected = [e.model_dump() for e in chat_reply.choices[0].logprobs.content]
+    ask = dict(model=MODEL_NAME, input="what now", max_output_tokens=10, temperature=SEEDED["temperature"],
+               top_p=SEEDED["top_p"], include=["message.output_text.logprobs"], top_logprobs=2,
+               extra_body={"seed": SEEDED["seed"]})
+    whole = client.responses.create(**ask)
+    part = whole.output[0].content[0]
+    assert part.text == chat_reply.choices[0].message.content
+    assert [e.model_dump() for e in part.logprobs] == expected
+    events = list(client.responses.create(**ask, stream=True))
+    deltas = [e for ev in events if ev.type == "response.output_text.delta" for e in ev.logprobs]
+    assert [e.model_dump() for e in deltas] == expected
+    done = next(ev for ev in events if ev.type == "response.output_text.done")
+    assert [e.model_dump() for e in done.logprobs] == expected
+    stored = client.responses.retrieve(whole.id)  # read back from the session: the logits are not kept
+    assert stored.output[0].content[0].text == part.text and stored.output[0].content[0].logprobs == []
+
+
+def test_includes_of_output_this_server_never_makes_are_answered_as_is(server):
+    r = server.client().responses.create(model=MODEL_NAME, input="hi", max_output_tokens=3,
+                                         include=["reasoning.encrypted_content"])
+    assert r.output[0].content[0].logprobs == [] and r.status in ("completed", "incomplete")

@@ -205,7 +205,7 @@ def plan(request: Request, who: Tenant, body: ResponseRequest, resume) -> tuple[
                        code="invalid_value")
     spec: dict[str, Any] = {"kind": "response", "messages": body.input_messages(), "stop": None,
                             "max_tokens": svc.max_tokens(body.max_output_tokens), "sampling": sampling(body),
-                            "trace": body.kvstore_trace}
+                            "trace": body.kvstore_trace, "logprobs": body.alternatives()}
     conversation = body.conversation_id()
     if conversation is not None:
         info = info_of(st, who, conversation, CONVERSATION)
@@ -261,6 +261,7 @@ class Output:
         self.start: int | None = run.spec.get("reply_start")
         self.text: list[str] = []
         self.lines: list[dict[str, Any]] = []
+        self.logprobs: list[dict[str, Any]] = []  # the tokens' entries, where asked for and computed
         self.end: dict[str, Any] | None = None
         self.message: int | None = None  # the ordinal of the reply's message (its item id)
         self.last_seq = -1  # the sequence number of the last event sent
@@ -273,6 +274,8 @@ class Output:
                 self.start = event["position"]
             self.lines.append(trace_line(event))
             self.text.append(event["text"])
+            if event.get("logprobs"):
+                self.logprobs.append(event["logprobs"])
         elif event["event"] == "end":
             self.end = event
             self.text.append(event["text"])
@@ -294,7 +297,7 @@ class Output:
         if self.end is None:
             return {"type": "message", "id": self.item_id, "role": "assistant", "status": "in_progress",
                     "content": []}
-        return message_item(self.item_id, "assistant", "".join(self.text), self.status())
+        return message_item(self.item_id, "assistant", "".join(self.text), self.status(), self.logprobs)
 
     def response(self) -> dict[str, Any]:
         end, body = self.end, self.body
@@ -320,8 +323,8 @@ class Output:
         self.last_seq = seq
         return ServerSentEvent(data(payload), event=kind, id=event_id(self.public, self.start, position))
 
-    def part(self, text: str) -> dict[str, Any]:
-        return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+    def part(self, text: str, logprobs: list[dict[str, Any]] = ()) -> dict[str, Any]:
+        return {"type": "output_text", "text": text, "annotations": [], "logprobs": list(logprobs)}
 
     async def stream(self, events: AsyncIterator[dict[str, Any]], drop) -> AsyncIterator[ServerSentEvent]:
         """The events of the response; an error once the stream has begun is an `error` event, as
@@ -356,8 +359,8 @@ class Output:
             if event["event"] == "token" and (self.after is None or event["position"] > self.after):
                 extra = {"kvstore": {"trace": [trace_line(event)]}} if self.body.kvstore_trace else {}
                 yield self.event("response.output_text.delta", HEADER_EVENTS + event["position"] - self.start,
-                                 event["position"], item_id=self.item_id, **where, delta=event["text"], logprobs=[],
-                                 **extra)
+                                 event["position"], item_id=self.item_id, **where, delta=event["text"],
+                                 logprobs=[event["logprobs"]] if event.get("logprobs") else [], **extra)
         if self.end is None:
             return
         seq = HEADER_EVENTS + self.end["completion_tokens"]
@@ -366,8 +369,10 @@ class Output:
             yield self.event("response.output_text.delta", seq, "end", item_id=self.item_id, **where,
                              delta=self.end["text"], logprobs=[])
             seq += 1
-        closing = [("response.output_text.done", dict(item_id=self.item_id, **where, text=text, logprobs=[])),
-                   ("response.content_part.done", dict(item_id=self.item_id, **where, part=self.part(text))),
+        closing = [("response.output_text.done", dict(item_id=self.item_id, **where, text=text,
+                                                       logprobs=self.logprobs)),
+                   ("response.content_part.done", dict(item_id=self.item_id, **where,
+                                                       part=self.part(text, self.logprobs))),
                    ("response.output_item.done", dict(output_index=0, item=self.item())),
                    ("response.completed" if self.status() == "completed" else "response.incomplete",
                     dict(response=self.response()))]

@@ -1,8 +1,10 @@
 """The request bodies as data: pydantic models that mirror OpenAI's, checked in one place.
 
 Unknown fields are refused (a typo must not be silently ignored); fields OpenAI defines that
-kvstore does not implement are refused with a message that says so (`UNSUPPORTED`); fields with no
-effect here that clients send by habit are accepted (`user`, `metadata`, ...). Every refusal
+kvstore does not implement are refused with a message that says so (`UNSUPPORTED`), unless they ask
+for nothing (null, false, empty: as OpenAI's own SDK objects carry them when a client sends one back,
+an assistant message with `"tool_calls": null`, say); fields with no effect here that clients send
+by habit are accepted (`user`, `metadata`, an output text's `annotations`, ...). Every refusal
 becomes a 400 in OpenAI's error shape (`app.py`), with `param` naming the field.
 """
 
@@ -16,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 UNSUPPORTED = {
     "tools": "tool calls are not supported", "tool_choice": "tool calls are not supported",
     "functions": "function calls are not supported", "function_call": "function calls are not supported",
-    "parallel_tool_calls": "tool calls are not supported",
+    "parallel_tool_calls": "tool calls are not supported", "tool_calls": "tool calls are not supported",
     "logprobs": "logprobs are not supported here", "top_logprobs": "logprobs are not supported here",
     "logit_bias": "logit_bias is not supported", "response_format": "structured output is not supported",
     "audio": "audio is not supported", "modalities": "only text is supported",
@@ -45,24 +47,41 @@ class Strict(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _unsupported(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            for name in data:
-                if name in UNSUPPORTED and name not in cls.model_fields and data[name] not in (None, False, [], {}):
-                    raise ValueError(f"unsupported:{name}:{UNSUPPORTED[name]}")
-        return data
+        if not isinstance(data, dict):
+            return data
+        asked = {}
+        for name, value in data.items():
+            if name in UNSUPPORTED and name not in cls.model_fields:
+                if value is None or value is False or value in ([], {}):
+                    continue  # asks for nothing: as if it were not sent
+                raise ValueError(f"unsupported:{name}:{UNSUPPORTED[name]}")
+            asked[name] = value
+        return asked
 
 
 class TextPart(Strict):
     type: Literal["text", "input_text", "output_text"]
     text: str
+    annotations: list[Any] | None = None  # an output text sent back: no effect on the text
+    logprobs: list[Any] | None = None
 
 
 class Message(Strict):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    content: str | list[TextPart] | None = None  # None: an assistant message without text (its refusal, else "")
     name: str | None = None
+    refusal: str | None = None  # an assistant message sent back as OpenAI's SDK made it
+    annotations: list[Any] | None = None
+
+    @model_validator(mode="after")
+    def _has_content(self):
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs its content")
+        return self
 
     def text(self) -> str:
+        if self.content is None:
+            return self.refusal or ""
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
     def plain(self) -> dict[str, str]:
@@ -175,6 +194,7 @@ class InputMessage(Strict):
     content: str | list[TextPart]
     id: str | None = None  # an item read back from a conversation, resent as is
     status: str | None = None
+    phase: str | None = None  # (OpenAI's output items carry it)
 
     def plain(self) -> dict[str, str]:
         text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)

@@ -88,6 +88,24 @@ def test_every_sampler_setting_over_http_is_the_librarys(server, model_folder, t
     assert [t["token"] for t in plain[0]] != [t["token"] for t in reply.kvstore["trace"]]  # they did something
 
 
+def test_a_reply_sent_back_as_the_sdk_made_it_continues_the_session(server):
+    """Clients keep the reply's message as the openai package returns it, with its nulls (refusal,
+    annotations, audio, function_call, tool_calls), and send it back: it is the stored message."""
+    client = server.client()
+    messages = [{"role": "user", "content": TURNS[0]}]
+    first = chat(client, "sdk-dump", messages)
+    dumped = first.choices[0].message.model_dump()
+    assert {"refusal", "tool_calls", "function_call"} <= dumped.keys()
+    messages += [dumped, {"role": "user", "content": TURNS[1]}]
+    second = chat(client, "sdk-dump", messages)
+    assert second.usage.prompt_tokens_details.cached_tokens > first.usage.prompt_tokens  # not computed again
+    nulls = {"tools": None, "tool_choice": None, "logit_bias": None, "response_format": None,
+             "parallel_tool_calls": False, "audio": None}
+    r = server.http().post("/v1/chat/completions", json={"model": MODEL_NAME, "messages": messages[:1], "max_tokens": 2,
+                                                         **nulls})
+    assert r.status_code == 200, r.text  # fields that ask for nothing are as if not sent
+
+
 def test_streaming_gives_the_same_reply_as_a_whole_response(server):
     client = server.client()
     messages = [{"role": "user", "content": "stream me"}]

@@ -173,6 +173,11 @@ BAD_INPUT = [
     ("unsupported field", CHAT, {}, json.dumps(chat_body("x", tools=[{"type": "function"}])).encode(), 400,
      "unsupported_parameter"),
     ("n above 1", CHAT, {}, json.dumps(chat_body("x", n=2)).encode(), 400, "unsupported_parameter"),
+    ("tool calls in a message", CHAT, {}, json.dumps(chat_body("x") | {"messages": [
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function"}]},
+        {"role": "user", "content": "x"}]}).encode(), 400, "unsupported_parameter"),
+    ("a user message without content", CHAT, {},
+     json.dumps(chat_body("x") | {"messages": [{"role": "user", "content": None}]}).encode(), 400, "invalid_value"),
     ("presence_penalty out of range", CHAT, {}, json.dumps(chat_body("x", presence_penalty=2.5)).encode(), 400,
      "invalid_value"),
     ("frequency_penalty out of range", COMPLETIONS, {},

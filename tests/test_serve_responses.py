@@ -161,6 +161,16 @@ def test_previous_response_id_forks_by_reference(client, library, tmp_path):
     assert [i.content[0].text for i in client.responses.input_items.list(r3.id).data] == ["sleeps"]
 
 
+def test_output_items_sent_back_as_input_are_the_conversation(client):
+    """A client that keeps the state itself sends the output items back as they came (with their
+    annotations, logprobs, status, phase): they are the assistant's message."""
+    first = client.responses.create(model=MODEL_NAME, input="hello", max_output_tokens=TOKENS, store=False)
+    history = [{"role": "user", "content": "hello"}, *[o.model_dump() for o in first.output],
+               {"role": "user", "content": "and then?"}]
+    second = client.responses.create(model=MODEL_NAME, input=history, max_output_tokens=TOKENS, store=False)
+    assert second.status in ("completed", "incomplete") and second.usage.input_tokens > first.usage.input_tokens
+
+
 def test_store_false_and_delete(client):
     gone = ask(client, "The fox", store=False, extra_body={"seed": 1})
     assert gone.status in ("completed", "incomplete") and gone.output_text == gone.output[0].content[0].text

@@ -3,7 +3,8 @@
 Unknown fields are refused (a typo must not be silently ignored); fields OpenAI defines that
 kvstore does not implement are refused with a message that says so (`UNSUPPORTED`), unless they ask
 for nothing (null, false, empty: as OpenAI's own SDK objects carry them when a client sends one back,
-an assistant message with `"tool_calls": null`, say); fields with no effect here that clients send
+an assistant message with `"tool_calls": null`, say) or for what happens anyway (`ASKS_FOR_THE_DEFAULT`:
+plain text, no truncation, no tool to call, as SDKs send them by default); fields with no effect here that clients send
 by habit are accepted (`user`, `metadata`, an output text's `annotations`, ...). Every refusal
 becomes a 400 in OpenAI's error shape (`app.py`), with `param` naming the field.
 """
@@ -29,6 +30,18 @@ UNSUPPORTED = {
     "include": "include is not supported here", "background": "background responses are not supported",
     "truncation": "truncation is not supported", "prompt": "prompt templates are not supported",
 }
+# values of those fields that ask for what this server does anyway (plain text, no tools, no truncation:
+# a prompt beyond the context is refused), as SDKs send them by default: accepted as if not sent
+ASKS_FOR_THE_DEFAULT = {
+    "response_format": lambda v: v == {"type": "text"},
+    "text": lambda v: isinstance(v, dict) and v.get("format") in (None, {"type": "text"})
+    and set(v) <= {"format", "verbosity"} and v.get("verbosity") is None,
+    "modalities": lambda v: v == ["text"],
+    "truncation": lambda v: v == "disabled",
+    "tool_choice": lambda v: v in ("none", "auto"),  # with no tools there is nothing to call
+    "parallel_tool_calls": lambda v: isinstance(v, bool),
+    "reasoning": lambda v: isinstance(v, dict) and all(x is None for x in v.values()),
+}
 MAX_STOPS = 4
 SAMPLER_FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 MAX_TOP_LOGPROBS = 20  # chat's top_logprobs, as OpenAI bounds it
@@ -52,8 +65,9 @@ class Strict(BaseModel):
         asked = {}
         for name, value in data.items():
             if name in UNSUPPORTED and name not in cls.model_fields:
-                if value is None or value is False or value in ([], {}):
-                    continue  # asks for nothing: as if it were not sent
+                default = ASKS_FOR_THE_DEFAULT.get(name)
+                if value is None or value is False or value in ([], {}) or (default is not None and default(value)):
+                    continue  # asks for nothing, or for what happens anyway: as if it were not sent
                 raise ValueError(f"unsupported:{name}:{UNSUPPORTED[name]}")
             asked[name] = value
         return asked

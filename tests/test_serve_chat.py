@@ -101,9 +101,12 @@ def test_a_reply_sent_back_as_the_sdk_made_it_continues_the_session(server):
     assert second.usage.prompt_tokens_details.cached_tokens > first.usage.prompt_tokens  # not computed again
     nulls = {"tools": None, "tool_choice": None, "logit_bias": None, "response_format": None,
              "parallel_tool_calls": False, "audio": None}
-    r = server.http().post("/v1/chat/completions", json={"model": MODEL_NAME, "messages": messages[:1], "max_tokens": 2,
-                                                         **nulls})
-    assert r.status_code == 200, r.text  # fields that ask for nothing are as if not sent
+    defaults = {"response_format": {"type": "text"}, "tool_choice": "none", "parallel_tool_calls": True,
+                "modalities": ["text"]}
+    for fields in (nulls, defaults):  # fields that ask for nothing, or for what happens anyway: as if not sent
+        r = server.http().post("/v1/chat/completions",
+                               json={"model": MODEL_NAME, "messages": messages[:1], "max_tokens": 2, **fields})
+        assert r.status_code == 200, r.text
 
 
 def test_streaming_gives_the_same_reply_as_a_whole_response(server):

@@ -176,6 +176,10 @@ BAD_INPUT = [
     ("tool calls in a message", CHAT, {}, json.dumps(chat_body("x") | {"messages": [
         {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function"}]},
         {"role": "user", "content": "x"}]}).encode(), 400, "unsupported_parameter"),
+    ("structured output", CHAT, {}, json.dumps(chat_body("x", response_format={"type": "json_object"})).encode(), 400,
+     "unsupported_parameter"),
+    ("a tool required", CHAT, {}, json.dumps(chat_body("x", tool_choice="required")).encode(), 400,
+     "unsupported_parameter"),
     ("a user message without content", CHAT, {},
      json.dumps(chat_body("x") | {"messages": [{"role": "user", "content": None}]}).encode(), 400, "invalid_value"),
     ("presence_penalty out of range", CHAT, {}, json.dumps(chat_body("x", presence_penalty=2.5)).encode(), 400,

@@ -171,6 +171,18 @@ def test_output_items_sent_back_as_input_are_the_conversation(client):
     assert second.status in ("completed", "incomplete") and second.usage.input_tokens > first.usage.input_tokens
 
 
+def test_what_sdks_send_by_default_is_answered(client):
+    """Settings an agent framework sends on every request, asking for what this server does anyway
+    (plain text, no truncation, no tools), are as if not sent; asking for more is a 400."""
+    r = client.responses.create(model=MODEL_NAME, input="hello", max_output_tokens=3, store=False,
+                                text={"format": {"type": "text"}}, truncation="disabled", tools=[], tool_choice="auto",
+                                parallel_tool_calls=False, reasoning={"effort": None, "summary": None})
+    assert r.status in ("completed", "incomplete")
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=MODEL_NAME, input="hello", max_output_tokens=3, truncation="auto")
+    assert e.value.body["param"] == "truncation"
+
+
 def test_store_false_and_delete(client):
     gone = ask(client, "The fox", store=False, extra_body={"seed": 1})
     assert gone.status in ("completed", "incomplete") and gone.output_text == gone.output[0].content[0].text

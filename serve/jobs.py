@@ -116,8 +116,9 @@ def complete(engine, job: dict[str, Any]) -> Iterator[dict[str, Any]]:
     if job.get("after") is not None:
         yield from resume(engine, job)
         return
+    text = job["prompt"] if isinstance(job["prompt"], str) else None  # else token ids, as they are
     if job.get("prefix") is not None:  # a request of its own: from the longest stored prefix (C10)
-        prompt = engine.model.tokenizer.encode(job["prompt"], add_bos=None)  # as append_text on a new session
+        prompt = job["prompt"] if text is None else engine.model.tokenizer.encode(text, add_bos=None)  # as append_text
         session, how, restore, cached = prefix_cache.open_session(engine, job, prompt)
         yield {"event": "start", "context": how, **restore, "prefix_queried": len(prompt), "prefix_hit": cached}
         session.append_tokens(prompt[len(session.tokens):])
@@ -126,7 +127,10 @@ def complete(engine, job: dict[str, Any]) -> Iterator[dict[str, Any]]:
         check_seed(session, job.get("seed"))
         yield {"event": "start", "context": how if session.tokens else "computed", **restore, "created": how == "computed"}
         cached = session.n_cached
-        session.append_text(job["prompt"])
+        if text is None:
+            session.append_tokens(list(job["prompt"]))
+        else:
+            session.append_text(text)
     tokens = Tokens.for_job(job, engine.model.tokenizer)
     ids = session.generate(job["max_tokens"], trace=tokens, stop=tuple(job.get("stop") or ()), **(job.get("sampling") or {}))
     yield from reply(engine, session, session.text(ids), tokens, job, cached)

@@ -182,7 +182,7 @@ class ChatRequest(Sampling):
 
 
 class CompletionRequest(Sampling):
-    prompt: str | list[str]
+    prompt: str | list[int] | list[str] | list[list[int]]  # text, or token ids as they are
     logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
 
     def alternatives(self) -> int | None:
@@ -191,9 +191,15 @@ class CompletionRequest(Sampling):
     @field_validator("prompt")
     @classmethod
     def _one_prompt(cls, v):
+        """One prompt: a string, or a list of token ids (taken as they are, no BOS added); a list of
+        one of them is that one."""
+        if v == []:
+            raise ValueError("the prompt is an empty list: give text, or token ids")
+        if isinstance(v, list) and all(isinstance(x, int) for x in v):
+            return v
         if isinstance(v, list):
             if len(v) != 1:
-                raise ValueError("unsupported:prompt:one prompt per request (a list of one string)")
+                raise ValueError("unsupported:prompt:one prompt per request (a list of one string or one token list)")
             return v[0]
         return v
 

@@ -167,6 +167,23 @@ def test_completions_continue_raw_text(server):
     assert streamed == a.choices[0].text
 
 
+def test_a_completion_prompt_of_token_ids_is_the_texts(server, model_folder):
+    """The completions API takes the prompt as token ids too (as they are, no BOS added): the ids the
+    text encodes to give the text's reply, token for token and bit for bit."""
+    client = server.client()
+    text = "Once upon a time"
+    ids = kvstore.load_model(model_folder).tokenizer.encode(text, add_bos=None)
+    ask = dict(model=MODEL_NAME, max_tokens=8, temperature=0, extra_body={"kvstore_trace": True})
+    by_text = client.completions.create(prompt=text, **ask)
+    for prompt in (ids, [ids]):
+        by_ids = client.completions.create(prompt=prompt, **ask)
+        assert by_ids.model_extra["kvstore"]["trace"] == by_text.model_extra["kvstore"]["trace"]
+        assert by_ids.usage.prompt_tokens == by_text.usage.prompt_tokens == len(ids)
+    for bad, why in (([10**9], "token ids must lie in"), ([], "empty list"), ([[1, 2], [3]], "one prompt")):
+        r = server.http().post("/v1/completions", json={"model": MODEL_NAME, "prompt": bad, "max_tokens": 2})
+        assert r.status_code == 400 and why in r.json()["error"]["message"], r.text
+
+
 def test_max_tokens_0_reads_the_prompt_into_the_session_and_generates_nothing(server):
     """kvstore's use of `max_tokens: 0` (OpenAI refuses it): a document read into a named session once,
     as `kvstore new --max-new-tokens 0` does; the next request on the session starts from its KV."""

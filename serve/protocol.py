@@ -80,12 +80,28 @@ class TextPart(Strict):
     logprobs: list[Any] | None = None
 
 
+def text_parts_only(v: Any) -> Any:
+    """A content list's parts other than text (images, audio, files) are refused, saying so."""
+    if isinstance(v, list):
+        for part in v:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind not in (None, "text", "input_text", "output_text"):
+                raise ValueError(f"unsupported:content:only text is supported (this server's model reads text), "
+                                 f"not a {kind!r} part")
+    return v
+
+
 class Message(Strict):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart] | None = None  # None: an assistant message without text (its refusal, else "")
     name: str | None = None
     refusal: str | None = None  # an assistant message sent back as OpenAI's SDK made it
     annotations: list[Any] | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_only(cls, v):
+        return text_parts_only(v)
 
     @model_validator(mode="after")
     def _has_content(self):
@@ -215,6 +231,11 @@ class InputMessage(Strict):
     id: str | None = None  # an item read back from a conversation, resent as is
     status: str | None = None
     phase: str | None = None  # (OpenAI's output items carry it)
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_only(cls, v):
+        return text_parts_only(v)
 
     def plain(self) -> dict[str, str]:
         text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)

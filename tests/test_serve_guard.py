@@ -180,6 +180,9 @@ BAD_INPUT = [
      "unsupported_parameter"),
     ("a tool required", CHAT, {}, json.dumps(chat_body("x", tool_choice="required")).encode(), 400,
      "unsupported_parameter"),
+    ("an image part", CHAT, {}, json.dumps(chat_body("x") | {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}).encode(),
+     400, "unsupported_parameter"),
     ("a user message without content", CHAT, {},
      json.dumps(chat_body("x") | {"messages": [{"role": "user", "content": None}]}).encode(), 400, "invalid_value"),
     ("presence_penalty out of range", CHAT, {}, json.dumps(chat_body("x", presence_penalty=2.5)).encode(), 400,

@@ -1,12 +1,13 @@
 """The request bodies as data: pydantic models that mirror OpenAI's, checked in one place.
 
 Unknown fields are refused (a typo must not be silently ignored); fields OpenAI defines that
-kvstore does not implement are refused with a message that says so (`UNSUPPORTED`), unless they ask
-for nothing (null, false, empty: as OpenAI's own SDK objects carry them when a client sends one back,
-an assistant message with `"tool_calls": null`, say) or for what happens anyway (`ASKS_FOR_THE_DEFAULT`:
-plain text, no truncation, no tool to call, as SDKs send them by default); fields with no effect here that clients send
-by habit are accepted (`user`, `metadata`, an output text's `annotations`, ...). Every refusal
-becomes a 400 in OpenAI's error shape (`app.py`), with `param` naming the field.
+kvstore does not implement are refused with a message that says so (`UNSUPPORTED`), unless they
+ask for nothing (null, false, empty: as OpenAI's own SDK objects carry them when a client sends one
+back, an assistant message with `"tool_calls": null`, say) or for what happens anyway
+(`ASKS_FOR_THE_DEFAULT`: plain text, no truncation, no tool to call, as SDKs send by default);
+fields with no effect here that clients send by habit are accepted (`user`, `metadata`, an output
+text's `annotations`, ...). Every refusal becomes a 400 in OpenAI's error shape (`app.py`), with
+`param` naming the field.
 """
 
 from __future__ import annotations

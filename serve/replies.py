@@ -4,9 +4,9 @@
 token: position, id, logits hash, and its log-probabilities when the client asked for them, which
 `Tokens.logprobs` turns into OpenAI's entry for the token); `ReplyText` holds back text that could
 begin a stop string and cuts the reply where one appears (OpenAI leaves stop strings out of the
-reply). The events of a
-reply are a function of its tokens alone, so a stream that is resumed after position p replays the
-reply from its start and sends only what comes after p: the client gets exactly the rest.
+reply). The events of a reply are a function of its tokens alone, so a stream that is resumed after
+position p replays the reply from its start and sends only what comes after p: the client gets
+exactly the rest.
 """
 
 from __future__ import annotations

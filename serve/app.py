@@ -23,7 +23,7 @@ import kvstore
 from .config import ServeConfig
 from . import observer
 from .failures import ApiError, from_library
-from .routes import chat, completions, health, responses, sessions
+from .routes import chat, completions, health, responses, sessions, tokens
 from .service import Service
 
 log = logging.getLogger("kvstore.serve")
@@ -49,7 +49,7 @@ def create_app(config: ServeConfig) -> FastAPI:
                   description="Persistent LLM sessions over an OpenAI-compatible API: conversations held as "
                               "stored KV, streams that survive a restart.")
     app.state.service = service
-    for module in (health, chat, completions, responses, sessions):
+    for module in (health, chat, completions, responses, sessions, tokens):
         app.include_router(module.router)
     install_errors(app)
     app.add_middleware(BodyLimit, limit=config.max_body)

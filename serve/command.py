@@ -107,7 +107,7 @@ def serve(app, host, port, model, served_model_name, dtype, weights, device, wor
     \b
     Endpoints: /v1/chat/completions, /v1/completions, /v1/responses, /v1/conversations,
     /v1/models, /v1/sessions (list, info, messages, fork, delete, export, import),
-    /health, /metrics. A request names its session with the X-Session-Id header (or
+    /tokenize, /detokenize, /health, /metrics. A request names its session with the X-Session-Id header (or
     "session" in the body); a stream that broke is finished by resending the request
     with Last-Event-ID.
     """

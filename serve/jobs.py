@@ -211,7 +211,27 @@ def manage(engine, job: dict[str, Any]) -> Iterator[dict[str, Any]]:
     yield {"event": "end", "session": name}
 
 
-KINDS = {"chat": chat, "complete": complete,
+def tokenize(engine, job: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """The ids the model reads for a prompt (as a completion's prompt on a new session, or without
+    the model's BOS) or for chat messages (through its chat template, as a new session's chat)."""
+    tok = engine.model.tokenizer
+    if job.get("messages") is not None:
+        ids = tok.apply_chat_template(job["messages"], add_generation_prompt=job["add_generation_prompt"])
+    else:
+        ids = tok.encode(job["prompt"], add_bos=None if job["add_special_tokens"] else False)
+    yield {"event": "end", "tokens": ids, "max_model_len": engine.model.config.max_context}
+
+
+def detokenize(engine, job: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """The text of token ids (ids outside the vocabulary: a ModelError, a 400)."""
+    tok, ids = engine.model.tokenizer, job["tokens"]
+    vocab = engine.model.config.vocab_size
+    if any(not 0 <= i < vocab for i in ids):
+        raise kvstore.errors.ModelError(f"token ids must lie in [0, {vocab}) for this model")
+    yield {"event": "end", "prompt": tok.decode(ids)}
+
+
+KINDS = {"chat": chat, "complete": complete, "tokenize": tokenize, "detokenize": detokenize,
          **{k: manage for k in ("create", "fork", "delete", "import", "retain")}}
 
 

@@ -318,6 +318,26 @@ class ResponseRequest(Strict):
         return {k: float(v) for k, v in (("temperature", self.temperature), ("top_p", self.top_p)) if v is not None}
 
 
+class TokenizeRequest(Strict):
+    """POST /tokenize (vLLM's and llama.cpp's): a prompt, or chat messages, as the model reads them."""
+    model: str
+    prompt: str | None = None
+    messages: list[Message] | None = Field(None, min_length=1)
+    add_special_tokens: bool = True  # a prompt: the model's BOS where it adds one (as a completion's prompt)
+    add_generation_prompt: bool = True  # messages: the assistant's turn opened (as a chat request's)
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give either prompt or messages")
+        return self
+
+
+class DetokenizeRequest(Strict):
+    model: str
+    tokens: list[int]
+
+
 class ForkRequest(Strict):
     name: str
     at: int | None = Field(None, ge=1)

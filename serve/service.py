@@ -227,8 +227,8 @@ class Service:
             await asyncio.wait(set(self._drops), timeout=timeout)
 
     async def manage(self, spec: dict[str, Any], tenant: Tenant | None = None) -> dict[str, Any]:
-        """A create, fork, delete or import on the session's engine; its end event (ApiError on error,
-        its message in the tenant's names)."""
+        """A job that writes no reply (create, fork, delete, import; tokenize, detokenize) on the session's
+        engine; its end event (ApiError on error, its message in the tenant's names)."""
         engine = self.pool.engine_for(spec["session"])
         async with self.admission.slot(spec["session"], engine):
             try:

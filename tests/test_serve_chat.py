@@ -184,6 +184,27 @@ def test_a_completion_prompt_of_token_ids_is_the_texts(server, model_folder):
         assert r.status_code == 400 and why in r.json()["error"]["message"], r.text
 
 
+def test_tokenize_gives_the_ids_a_request_reads_and_detokenize_their_text(server, model_folder):
+    """POST /tokenize and /detokenize (vLLM's and llama.cpp's): a prompt's ids as a completion reads
+    them, messages' as a new session's chat does (the count is the request's prompt_tokens)."""
+    tok = kvstore.load_model(model_folder).tokenizer
+    http, text = server.http(), "Once upon a time"
+    r = http.post("/tokenize", json={"model": MODEL_NAME, "prompt": text}).json()
+    assert r["tokens"] == tok.encode(text, add_bos=None) and r["count"] == len(r["tokens"]) and r["max_model_len"] > 0
+    bare = http.post("/tokenize", json={"model": MODEL_NAME, "prompt": text, "add_special_tokens": False}).json()
+    assert bare["tokens"] == tok.encode(text, add_bos=False)
+    assert http.post("/detokenize", json={"model": MODEL_NAME, "tokens": bare["tokens"]}).json() == {"prompt": text}
+    messages = [{"role": "user", "content": "count me"}]
+    counted = http.post("/tokenize", json={"model": MODEL_NAME, "messages": messages}).json()["count"]
+    reply = server.client().chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=1)
+    assert counted == reply.usage.prompt_tokens
+    for path, body, status in (("/detokenize", {"tokens": [10**9]}, 400), ("/tokenize", {}, 400),
+                               ("/tokenize", {"prompt": "a", "messages": messages}, 400),
+                               ("/tokenize", {"prompt": "a", "model": "gpt-4o"}, 404)):
+        r = http.post(path, json={"model": MODEL_NAME, **body})
+        assert r.status_code == status and set(r.json()["error"]) == {"message", "type", "param", "code"}, r.text
+
+
 def test_max_tokens_0_reads_the_prompt_into_the_session_and_generates_nothing(server):
     """kvstore's use of `max_tokens: 0` (OpenAI refuses it): a document read into a named session once,
     as `kvstore new --max-new-tokens 0` does; the next request on the session starts from its KV."""

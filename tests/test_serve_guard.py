@@ -332,7 +332,8 @@ def test_bad_input_leaves_the_session_as_it_was(a, server, model):
 def test_every_v1_call_needs_a_key(server):
     with server.http() as anonymous:
         for method, path in [("GET", "/v1/models"), ("GET", SESSIONS), ("GET", f"{SESSIONS}/x"),
-                             ("POST", CHAT), ("POST", COMPLETIONS), ("POST", SESSIONS)]:
+                             ("POST", CHAT), ("POST", COMPLETIONS), ("POST", SESSIONS), ("POST", "/tokenize"),
+                             ("POST", "/detokenize")]:
             r = anonymous.request(method, path, json=chat_body("x"))
             assert_openai_error(r, 401, "invalid_api_key")
         for header in ("Bearer not-a-key-at-all", "Basic " + KEY_A, KEY_A, "Bearer"):

@@ -224,11 +224,8 @@ def tokenize(engine, job: dict[str, Any]) -> Iterator[dict[str, Any]]:
 
 def detokenize(engine, job: dict[str, Any]) -> Iterator[dict[str, Any]]:
     """The text of token ids (ids outside the vocabulary: a ModelError, a 400)."""
-    tok, ids = engine.model.tokenizer, job["tokens"]
-    vocab = engine.model.config.vocab_size
-    if any(not 0 <= i < vocab for i in ids):
-        raise kvstore.errors.ModelError(f"token ids must lie in [0, {vocab}) for this model")
-    yield {"event": "end", "prompt": tok.decode(ids)}
+    engine.model.check_ids(job["tokens"])
+    yield {"event": "end", "prompt": engine.model.tokenizer.decode(job["tokens"])}
 
 
 KINDS = {"chat": chat, "complete": complete, "tokenize": tokenize, "detokenize": detokenize,

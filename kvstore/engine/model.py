@@ -121,6 +121,12 @@ class Model:
             raise ModelError(f"{n_tokens:,} tokens exceed the model's context of {self.config.max_context:,}; "
                              "start a new session with less text, or fork at an earlier point")
 
+    def check_ids(self, ids: Sequence[int]) -> None:
+        """ModelError when an id lies outside the model's vocabulary."""
+        vocab = self.config.vocab_size
+        if any(not 0 <= i < vocab for i in ids):
+            raise ModelError(f"token ids must lie in [0, {vocab}) for this model")
+
     def _ids(self, ids: Sequence[int], pos: int, cache: KVCache | None) -> torch.Tensor:
         """`ids` as a tensor on the model's device, once they are known to fit in the context at pos and
         the cache has room for them."""

@@ -86,9 +86,7 @@ class Sequence:
     def add(self, ids: Seq[int]) -> None:
         """Append ids without feeding them (they become pending)."""
         ids = [int(i) for i in ids]
-        vocab = self.model.config.vocab_size
-        if any(not 0 <= i < vocab for i in ids):
-            raise ModelError(f"token ids must lie in [0, {vocab}) for this model")
+        self.model.check_ids(ids)
         self.model.check_context(len(self.tokens) + len(ids))
         self.tokens.extend(ids)
         if ids:

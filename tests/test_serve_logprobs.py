@@ -23,7 +23,9 @@ import kvstore
 from conftest import single_thread
 from kvstore.engine.trace import token_logprobs
 from serve_kit import MODEL_NAME
-from test_serve_chat import CHUNK, model_folder, server, stream_events, text_of  # noqa: F401 (fixtures)
+from serve_kit import LiveServer
+from test_serve_chat import (CHUNK, long_request, model_folder, server, sse_events,  # noqa: F401 (fixtures)
+                             stream_events, text_of)
 
 SEEDED = {"temperature": 0.9, "top_p": 0.95, "seed": 7}
 TOP = 3
@@ -204,3 +206,39 @@ def test_includes_of_output_this_server_never_makes_are_answered_as_is(server):
     r = server.client().responses.create(model=MODEL_NAME, input="hi", max_output_tokens=3,
                                          include=["reasoning.encrypted_content"])
     assert r.output[0].content[0].logprobs == [] and r.status in ("completed", "incomplete")
+
+
+def entries_by_position(events) -> dict[int, dict]:
+    """Each streamed token's logprobs entry, by its position (the event id's last part)."""
+    return {int(i.rsplit("/", 1)[1]): d["choices"][0]["logprobs"]["content"][0] for i, d in events
+            if i and d and d["choices"] and d["choices"][0]["logprobs"]}
+
+
+def test_a_stream_with_logprobs_survives_kill_9_of_its_engine_and_of_the_server(tmp_path, model_folder):
+    """Cut by kill -9 (of the engine mid-stream; of the whole server, then Last-Event-ID), the reply
+    is whole and every entry it carries is the uncut run's for that position (tokens replayed from
+    the store carry none: test_tokens_a_resumed_stream_replays_from_the_store_have_none)."""
+    def body(session: str) -> dict:
+        return long_request(session) | {"max_tokens": 60, "logprobs": True, "top_logprobs": 2}
+
+    with LiveServer(tmp_path / "home", model_folder, "--chunk-size", str(CHUNK), "--threads", "1",
+                    "--checkpoint-every", "4") as live:
+        whole = stream_events(live, body("uncut"), {})
+        expected = entries_by_position(whole)
+        assert len(expected) == 60
+
+        def same(events) -> None:
+            got = entries_by_position(events)
+            assert text_of(events) == text_of(whole) and events[-1][1] is None
+            assert len(got) >= 20 and all(expected[p] == e for p, e in got.items())
+
+        killed = []
+        with httpx.stream("POST", live.url + "/v1/chat/completions", json=body("cut-engine"), timeout=120) as r:
+            events = sse_events(r.iter_lines(), lambda out: len(out) == 30 and not killed
+                                and killed.append(live.kill_engine()))
+        assert killed
+        same(events)
+        got = stream_events(live, body("cut-server"), {}, stop_after=30)
+        live.kill()
+        live.start()
+        same(got + stream_events(live, body("cut-server"), {"Last-Event-ID": [i for i, _ in got if i][-1]}))

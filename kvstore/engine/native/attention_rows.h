@@ -104,7 +104,14 @@ int64_t load_queries(const Problem& pb, const int64_t* row, int64_t n, int64_t* 
 // perf put a quarter of it in the softmax (group_step's own time), a quarter in laying K out
 // (keys_by_pairs), a fifth in this loop (the touch and the prefetches), 19 % in the values and 13 % in
 // the scores. Every layer's 1,024 positions on two threads took 1.13 ms warm and 1.33 ms from memory:
-// the arithmetic, not the reads, bounds a decode step's attention there.
+// the arithmetic, not the reads, bounds a decode step's attention there. Tried and dropped (separate
+// builds alternated in fresh processes, the same output bits, that call): K laid out from masked
+// 128-bit broadcast loads so that only the moves within lanes are left (16 unpacks for the 64
+// shuffles of transpose16), 1.00x the time; V's pairs made from the rows without the 64-bit permute
+// (the accumulators put back in order after the partition), 1.01x; the corrections e^(old - new) of a
+// KV head's queries by one exponential, with no branch on the maxima, 1.01x. Neither the shuffles nor
+// the branches are what it waits on. (The first, behind an environment switch in one build, had
+// looked 5-12 % faster in decode steps: the switch itself slowed the other path. Compare builds.)
 // ahead_end: where the positions the unit reads after this partition end (its last partition's end;
 // this partition's own end or less: none): the next group's rows are prefetched up to it, so the
 // first group of the unit's next partition comes from memory while this one's last computes.

@@ -87,9 +87,7 @@ struct Work {
 // these loads are, which doubles the speed at which the cache comes from memory here (Zen 5), more than
 // software prefetches did. Not on Intel CPUs, whose prefetchers follow the reads as they are: there
 // the touch cost time with the cache in L2 (a decode row over 1k positions, one thread: 3 of 53 us)
-// and gained none from memory. On AMD EPYC Zen 4 (fresh processes alternated, one decode row, 2
-// threads) leaving it out took 0.94x the step's time at 1,024 positions, 1.05x at 2,048 and 0.95x at
-// 8,160: within the noise there.
+// and gained none from memory.
 inline void read_in_order(const uint16_t* rows, int64_t elements) {
   if (intel_cpu()) return;
   const volatile char* bytes = reinterpret_cast<const volatile char*>(rows);

@@ -734,3 +734,56 @@ def test_the_decode_parts_steps_fit_the_models_context(tiny):
     assert stepped["new"] == 5 and step > 0 and stepped["products"] > 0
     with pytest.raises(ValueError, match="leaves no room"):
         decode_parts.decode_steps(model, model.config.max_context - 2, new=24)
+
+
+def test_the_ab_benchmark_runs_two_trees_alternated_and_compares_their_bits(tmp_path, smollm2_path, capsys):
+    """benchmarks/ab.py measures two revisions, each imported from its own tree in fresh processes,
+    and says whether they computed the same bits: HEAD against the working tree (the same kernels)
+    gives equal bits in every case."""
+    from benchmarks import ab
+    from kvstore.engine import native
+
+    if native.layers() is None:
+        pytest.skip("no native layer stack on this CPU")
+    out = tmp_path / "ab.json"
+    assert ab.main(["HEAD", "--case", "decode:24", "--case", "step:2x20", "--case", "attention:40", "--reps", "1",
+                    "--model", str(smollm2_path), "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert list(r) == ["decode:24", "step:2x20", "attention:40"]
+    for case in r.values():
+        names = list(case["s"])
+        assert names[0].startswith("HEAD (") and names[1] == "working tree"
+        assert all(len(v) == 1 and v[0] > 0 for v in case["s"].values())
+        assert case["same_bits"] and case["ratio"] == case["median_s"][names[1]] / case["median_s"][names[0]]
+    assert "decode:24: HEAD (" in capsys.readouterr().out
+
+
+def test_the_ab_benchmark_tells_different_bits_and_refuses_bad_arguments(tmp_path, smollm2_path, monkeypatch, capsys):
+    """A changed tree whose logits differ (its output head doubled) is reported as computing other
+    bits; a case or a revision it cannot take is a usage error, not a traceback."""
+    from benchmarks import ab
+
+    write_tree = ab.write_tree
+
+    def doubled_head(revision, into):
+        name = write_tree(revision, into)
+        if revision is None:  # the changed tree
+            model = into / "kvstore" / "engine" / "model.py"
+            text = model.read_text()
+            assert "        return self.net.head(hidden)\n" in text
+            model.write_text(text.replace("        return self.net.head(hidden)\n",
+                                          "        return self.net.head(hidden) * 2\n"))
+        return name
+
+    monkeypatch.setattr(ab, "write_tree", doubled_head)
+    out = tmp_path / "ab.json"
+    assert ab.main(["HEAD", "--case", "decode:16", "--reps", "1", "--model", str(smollm2_path),
+                    "--json", str(out)]) == 0
+    case = json.loads(out.read_text())["decode:16"]
+    assert not case["same_bits"] and len({d for v in case["digests"].values() for d in v}) == 2
+    assert "**different bits**" in capsys.readouterr().out
+    for argv, said in ((["HEAD", "--case", "step:8"], "step:SxN"), (["HEAD", "--case", "decode:0"], "positive"),
+                       (["no-such-revision-here"], "is not a revision"), ([], "name the revision")):
+        with pytest.raises(SystemExit) as e:
+            ab.main(argv)
+        assert e.value.code == 2 and said in capsys.readouterr().err

@@ -23,6 +23,12 @@ two builds, each with one way, ran alike (1.00x).
 - Prints per case each revision's median over the processes (min-max), CHANGED / BASE, and whether
   the two computed the same bits (`--json FILE` writes it all).
 
+How many processes a verdict needs depends on the machine: HEAD against the same code in the working
+tree, 4 processes each (AMD EPYC Zen 4, 2 threads, a machine whose speed swings by a third within
+minutes), gave decode:1024 0.80x, step:8x512 1.13x and attention:1024 1.00x (57 us, every process within
+1 %). There, a decode or step figure needs a dozen processes or more and a gain well beyond that
+spread; the attention case, on one thread from L2, tells a few percent apart in four.
+
 The measuring runs in child processes of this file run as a script (`--child`), so that nothing of the
 tree it measures comes from elsewhere: it imports only the standard library, torch and kvstore.
 """

@@ -109,8 +109,10 @@ int64_t load_queries(const Problem& pb, const int64_t* row, int64_t n, int64_t* 
 // 128-bit broadcast loads so that only the moves within lanes are left (16 unpacks for the 64
 // shuffles of transpose16), 1.00x the time; V's pairs made from the rows without the 64-bit permute
 // (the accumulators put back in order after the partition), 1.01x; the corrections e^(old - new) of a
-// KV head's queries by one exponential, with no branch on the maxima, 1.01x. Neither the shuffles nor
-// the branches are what it waits on. (The first, behind an environment switch in one build, had
+// KV head's queries by one exponential, with no branch on the maxima, 1.01x; the softmax of up to 4
+// queries at once, their exponentials' steps interleaved, 0.99x (`python -m benchmarks.ab HEAD --case
+// attention:1024`, 4 processes each). Neither the shuffles, nor the branches, nor the exponential's
+// chain of dependent steps are what it waits on. (The first, behind an environment switch in one build, had
 // looked 5-12 % faster in decode steps: the switch itself slowed the other path. Compare builds.)
 // ahead_end: where the positions the unit reads after this partition end (its last partition's end;
 // this partition's own end or less: none): the next group's rows are prefetched up to it, so the

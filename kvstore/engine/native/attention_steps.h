@@ -151,10 +151,6 @@ inline void start_record(float* f, const float* acc, float m, float l, int64_t h
 // at most kSub queries (one pass over V)
 inline bool values_from_rows(int64_t hd, int64_t nq) { return hd % 32 == 0 && nq <= kSub; }
 
-// ---- AVX512: one group of 16 keys ------------------------------------------------------------
-
-namespace avx512 {
-
 // K rows (16 from k, `stride` elements apart) -> kt [hd / 2][16]: pair-major, each lane one key's
 // bfloat16 pair (dimensions 2p, 2p + 1) as 32 bits. In 256-bit steps: each register is loaded a
 // 128-bit half at a time, 4 pairs of key j in the low half and of key j + 4 in the high one, so that
@@ -163,8 +159,11 @@ namespace avx512 {
 // 16 x 16 block, half of them across 128-bit lanes) took 2.2x the time: one decode row over 1,024
 // positions in L2, one thread, every KV head's K laid out in 17.6 against 8.1 us (a C++ loop over the
 // kernel's steps alone); the whole call 0.89x at 1,024 positions and 0.91x at 256 (`benchmarks.ab`,
-// attention:N, the same bits).
-KV_AVX512 void keys_by_pairs(const uint16_t* k, int64_t stride, int64_t hd, uint32_t* kt) {
+// attention:N, the same bits). AVX2 instructions only: both paths lay K out with it. The AVX2 path had
+// its own, 8 x 8 transposes ending in a shuffle across halves for each output: the same layout (checked
+// for hd 16 to 128), and this took 0.87-0.95x its time on Zen 4 (a C++ loop over the layout alone,
+// three rounds; not measured on a CPU without AVX512).
+KV_AVX2 void keys_by_pairs(const uint16_t* k, int64_t stride, int64_t hd, uint32_t* kt) {
   for (int64_t h = 0; h < 2; h++)             // keys 8h..8h+7
     for (int64_t b = 0; b < hd / 2; b += 4) {  // pairs b..b+3 (hd is a multiple of 16)
       __m256i r[4];  // r[j]: the 4 pairs of key 8h + j (low half) and of key 8h + 4 + j (high half)
@@ -181,6 +180,10 @@ KV_AVX512 void keys_by_pairs(const uint16_t* k, int64_t stride, int64_t hd, uint
       _mm256_store_si256(reinterpret_cast<__m256i*>(out + 3 * kGroup), _mm256_unpackhi_epi64(t1, t3));
     }
 }
+
+// ---- AVX512: one group of 16 keys ------------------------------------------------------------
+
+namespace avx512 {
 
 // Scores of N queries against the 16 keys of kt, scaled, into s [N][16]. A query's dot product runs
 // in two sums, of the even and of the odd pairs, added at the end; pair p adds q[2p+1] k[2p+1], then

@@ -10,36 +10,6 @@
 namespace {
 namespace avx2 {
 
-// r[i] = column i of the 8 x 8 matrix of 32-bit values whose rows are r
-KV_AVX2 inline void transpose8(__m256 r[8]) {
-  __m256 t[8], u[8];
-  for (int i = 0; i < 8; i += 2) {
-    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
-    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 8; i += 4) {
-    u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
-    u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xee);
-    u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
-    u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xee);
-  }
-  for (int i = 0; i < 4; i++) {
-    r[i] = _mm256_permute2f128_ps(u[i], u[4 + i], 0x20);
-    r[4 + i] = _mm256_permute2f128_ps(u[i], u[4 + i], 0x31);
-  }
-}
-
-// K rows (16 from k, `stride` elements apart) -> kt [hd / 2][16], as avx512::keys_by_pairs
-KV_AVX2 void keys_by_pairs(const uint16_t* k, int64_t stride, int64_t hd, uint32_t* kt) {
-  for (int64_t b = 0; b < hd / 2; b += 8)  // pairs b..b+7 (hd is a multiple of 16)
-    for (int64_t h = 0; h < 2; h++) {      // keys 8h..8h+7
-      __m256 r[8];
-      for (int64_t j = 0; j < 8; j++) r[j] = _mm256_loadu_ps(reinterpret_cast<const float*>(k + (8 * h + j) * stride + 2 * b));
-      transpose8(r);  // r[i]: pair b + i of the 8 keys
-      for (int64_t i = 0; i < 8; i++) _mm256_store_ps(reinterpret_cast<float*>(kt + (b + i) * kGroup + 8 * h), r[i]);
-    }
-}
-
 // avx512::scores_fma, half of the lanes at a time
 template <int N>
 KV_AVX2 void scores_fma(const float* qf, int64_t hd, const uint32_t* kt, float scale, float* s) {

@@ -90,6 +90,17 @@ static inline bool intel_cpu() {
 }
 
 // whether this CPU runs KV_AVX512 code
+static inline bool has_avx512();
+
+// whether the CPU is an AMD Zen 4: AMD family 19h with AVX512 (Zen 3, of the same family, has none)
+static inline bool amd_zen4() {
+  static const bool zen4 = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_is("amdfam19h") != 0 && has_avx512();
+  }();
+  return zen4;
+}
+
 static inline bool has_avx512() {
   static const bool present = [] {
     __builtin_cpu_init();

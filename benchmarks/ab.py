@@ -1,6 +1,6 @@
 """Two revisions of kvstore side by side: which one is faster, and whether they compute the same bits.
 
-    python -m benchmarks.ab BASE [CHANGED] [--case decode:1024 --case step:8x512 --case attention:1024]
+    python -m benchmarks.ab BASE [CHANGED] [--case decode:1024 --case step:8x512 --case attention:1024 ...]
 
 A change to a kernel is judged against the revision before it, each revision's own build, in fresh
 processes alternated (BASE CHANGED, CHANGED BASE, ...) so that the machine's slow and fast phases
@@ -20,6 +20,9 @@ two builds, each with one way, ran alike (1.00x).
     batched decode steps (`Model.feed_rows`, then `Model.head`): the median step. Bits: the logits.
   - `attention:N`: `attention_rows` for one decode row over one layer's N positions, on one thread,
     100 calls a time, the cache in L2: the kernel's arithmetic alone. Bits: the outputs.
+  - `attention-cold:N`: the same row over every layer's N positions, on the threads given, each time
+    after a read of a buffer four times the last-level cache has pushed the cache out of it: the
+    kernel's reads from memory. Bits: the outputs.
 - Prints per case each revision's median over the processes (min-max), CHANGED / BASE, and whether
   the two computed the same bits (`--json FILE` writes it all).
 
@@ -30,7 +33,8 @@ minutes), gave decode:1024 0.80x, step:8x512 1.13x and attention:1024 1.00x (57 
 spread; the attention case, on one thread from L2, tells a few percent apart in four.
 
 The measuring runs in child processes of this file run as a script (`--child`), so that nothing of the
-tree it measures comes from elsewhere: it imports only the standard library, torch and kvstore.
+tree it measures comes from elsewhere: it imports the standard library, torch, kvstore (the tree's)
+and this file's neighbour `bandwidth.py` (the size of the last-level cache).
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-CASE_KINDS = ("decode", "step", "attention")
+CASE_KINDS = ("decode", "step", "attention", "attention-cold")
 
 
 # -- the child: one case, measured in the tree on sys.path -----------------------------------------------
@@ -96,7 +100,7 @@ def measure_step(model, sessions: int, n: int) -> tuple[float, bytes]:
     return statistics.median(times), b"".join(out)
 
 
-def measure_attention(model, n: int) -> tuple[float, bytes]:
+def measure_attention(model, n: int, cold: bool) -> tuple[float, bytes]:
     import torch
 
     import kvstore
@@ -107,17 +111,31 @@ def measure_attention(model, n: int) -> tuple[float, bytes]:
     pools, table = seq.cache.pools(), seq.cache.blocks(0)[1]
     q = torch.randn(1, c.n_heads, c.head_dim, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     row_seq, row_len = torch.zeros(1, dtype=torch.int32), torch.tensor([n], dtype=torch.int32)
-    torch.set_num_threads(1)
     out = [torch.ops.kvstore.attention_rows(q, p, table, row_seq, torch.tensor([k], dtype=torch.int32))
            for p in pools[:4] for k in (1, 17, n // 3 + 1, n)]
-    for _ in range(100):
-        torch.ops.kvstore.attention_rows(q, pools[0], table, row_seq, row_len)
+
+    def layers(which):
+        for p in which:
+            torch.ops.kvstore.attention_rows(q, p, table, row_seq, row_len)
     times = []
-    for _ in range(15):
-        start = time.perf_counter()
+    if cold:  # every layer, each time after a read that pushes the cache out of the CPU's caches
+        from bandwidth import CACHE_MULTIPLE, last_level_cache_bytes  # this file's neighbour (run as a script)
+
+        evict = torch.ones(max(CACHE_MULTIPLE * last_level_cache_bytes(), 64 << 20) // 4)
+        for _ in range(16):
+            evict.sum()
+            start = time.perf_counter()
+            layers(pools)
+            times.append(time.perf_counter() - start)
+    else:  # one layer on one thread, again and again: its cache stays in L2
+        torch.set_num_threads(1)
         for _ in range(100):
-            torch.ops.kvstore.attention_rows(q, pools[0], table, row_seq, row_len)
-        times.append((time.perf_counter() - start) / 100)
+            layers(pools[:1])
+        for _ in range(15):
+            start = time.perf_counter()
+            for _ in range(100):
+                layers(pools[:1])
+            times.append((time.perf_counter() - start) / 100)
     seq.close()
     return statistics.median(times), b"".join(o.view(torch.int16).numpy().tobytes() for o in out)
 
@@ -139,7 +157,7 @@ def child(case: str, model_spec: str, threads: int) -> dict:
         elif kind == "step":
             s, bits = measure_step(model, *size)
         else:
-            s, bits = measure_attention(model, size[-1])
+            s, bits = measure_attention(model, size[-1], cold=kind == "attention-cold")
     return {"s": s, "digest": hashlib.sha256(bits).hexdigest()[:16], "kvstore": kvstore.__file__}
 
 
@@ -150,7 +168,8 @@ def parse_case(text: str) -> tuple[str, tuple[int, ...]]:
     parts = size.split("x")
     if kind not in CASE_KINDS or not all(p.isdigit() and int(p) > 0 for p in parts) or \
             len(parts) != (2 if kind == "step" else 1):
-        raise ValueError(f"{text!r}: a case is decode:N, step:SxN or attention:N (positive integers)")
+        raise ValueError(f"{text!r}: a case is decode:N, step:SxN, attention:N or attention-cold:N (positive "
+                         "integers)")
     return kind, tuple(int(p) for p in parts)
 
 
@@ -224,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.ab", description=__doc__.split("\n\n")[0])
     p.add_argument("base", nargs="?", help="the revision measured against (a git revision)")
     p.add_argument("changed", nargs="?", help="the revision measured (default: the working tree)")
-    p.add_argument("--case", action="append", help="decode:N, step:SxN or attention:N (repeatable; "
+    p.add_argument("--case", action="append", help="decode:N, step:SxN, attention:N or attention-cold:N (repeatable; "
                    "default: decode:1024, step:8x512, attention:1024)")
     p.add_argument("--model", default="smollm2", help="alias or path, as kvstore.load_model takes it")
     p.add_argument("--threads", type=int, default=2, help="torch threads (attention: always 1)")

@@ -104,7 +104,12 @@ int64_t load_queries(const Problem& pb, const int64_t* row, int64_t n, int64_t* 
 // perf put a quarter of it in the softmax (group_step's own time), a quarter in laying K out
 // (keys_by_pairs), a fifth in this loop (the touch and the prefetches), 19 % in the values and 13 % in
 // the scores. Every layer's 1,024 positions on two threads took 1.13 ms warm and 1.33 ms from memory:
-// the arithmetic, not the reads, bounds a decode step's attention there. Tried and dropped (separate
+// the arithmetic, not the reads, bounds a decode step's attention there. Since then K is laid out in
+// 256-bit steps and Zen 4 leaves the touch out (keys_by_pairs, read_in_order): a C++ loop over
+// run_partition for that row puts a group of 16 keys (3 KV heads) at about 2,230 cycles where it was
+// 3,030 (K 425 where 857, the touch 0 where 440; scores 380, softmax about 420, values about 750), and
+// the call at 44 us. From memory, every layer on two threads: 0.90x at 8,160 positions, 1.00x at
+// 1,024 (`benchmarks.ab`, attention-cold:N), where the reads bound it. Tried and dropped (separate
 // builds alternated in fresh processes, the same output bits, that call): K laid out from masked
 // 128-bit broadcast loads so that only the moves within lanes are left (16 unpacks for the 64
 // shuffles of transpose16), 1.00x the time; V's pairs made from the rows without the 64-bit permute

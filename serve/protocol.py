@@ -12,7 +12,7 @@ text's `annotations`, ...). Every refusal becomes a 400 in OpenAI's error shape 
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -74,8 +74,11 @@ class Strict(BaseModel):
         return asked
 
 
+TextType = Literal["text", "input_text", "output_text"]  # a content part's types that hold text
+
+
 class TextPart(Strict):
-    type: Literal["text", "input_text", "output_text"]
+    type: TextType
     text: str
     annotations: list[Any] | None = None  # an output text sent back: no effect on the text
     logprobs: list[Any] | None = None
@@ -86,7 +89,7 @@ def text_parts_only(v: Any) -> Any:
     if isinstance(v, list):
         for part in v:
             kind = part.get("type") if isinstance(part, dict) else None
-            if kind not in (None, "text", "input_text", "output_text"):
+            if kind is not None and kind not in get_args(TextType):
                 raise ValueError(f"unsupported:content:only text is supported (this server's model reads text), "
                                  f"not a {kind!r} part")
     return v

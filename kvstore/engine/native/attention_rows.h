@@ -117,8 +117,9 @@ int64_t load_queries(const Problem& pb, const int64_t* row, int64_t n, int64_t* 
 // KV head's queries by one exponential, with no branch on the maxima, 1.01x; the softmax of up to 4
 // queries at once, their exponentials' steps interleaved, 0.99x (`python -m benchmarks.ab HEAD --case
 // attention:1024`, 4 processes each). Neither the shuffles, nor the branches, nor the exponential's
-// chain of dependent steps are what it waits on. (The first, behind an environment switch in one build, had
-// looked 5-12 % faster in decode steps: the switch itself slowed the other path. Compare builds.)
+// chain of dependent steps are what it waits on. (The first, behind an environment switch in one
+// build, had looked 5-12 % faster in decode steps: the switch itself slowed the other path. Compare
+// builds.)
 // ahead_end: where the positions the unit reads after this partition end (its last partition's end;
 // this partition's own end or less: none): the next group's rows are prefetched up to it, so the
 // first group of the unit's next partition comes from memory while this one's last computes.

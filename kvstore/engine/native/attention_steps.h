@@ -163,10 +163,11 @@ inline bool values_from_rows(int64_t hd, int64_t nq) { return hd % 32 == 0 && nq
 // positions in L2, one thread, every KV head's K laid out in 17.6 against 8.1 us (a C++ loop over the
 // kernel's steps alone); the whole call 0.89x at 1,024 positions and 0.91x at 256 (`benchmarks.ab`,
 // attention:N, the same bits). From memory (attention-cold:N, every layer, 2 threads), with the touch
-// left out on Zen 4 too (read_in_order): 0.90x at 8,160 positions, 1.00x at 1,024. AVX2 instructions only: both paths lay K out with it. The AVX2 path had
-// its own, 8 x 8 transposes ending in a shuffle across halves for each output: the same layout (checked
-// for hd 16 to 128), and this took 0.87-0.95x its time on Zen 4 (a C++ loop over the layout alone,
-// three rounds; not measured on a CPU without AVX512).
+// left out on Zen 4 too (read_in_order): 0.90x at 8,160 positions, 1.00x at 1,024.
+// AVX2 instructions only: both paths lay K out with it. The AVX2 path had its own, 8 x 8 transposes
+// ending in a shuffle across halves for each output: the same layout (checked for hd 16 to 128), and
+// this took 0.87-0.95x its time on Zen 4 (a C++ loop over the layout alone, three rounds; not measured
+// on a CPU without AVX512).
 KV_AVX2 void keys_by_pairs(const uint16_t* k, int64_t stride, int64_t hd, uint32_t* kt) {
   for (int64_t h = 0; h < 2; h++)             // keys 8h..8h+7
     for (int64_t b = 0; b < hd / 2; b += 4) {  // pairs b..b+3 (hd is a multiple of 16)

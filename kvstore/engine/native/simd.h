@@ -90,7 +90,14 @@ static inline bool intel_cpu() {
 }
 
 // whether this CPU runs KV_AVX512 code
-static inline bool has_avx512();
+static inline bool has_avx512() {
+  static const bool present = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl");
+  }();
+  return present;
+}
 
 // whether the CPU is an AMD Zen 4: AMD family 19h with AVX512 (Zen 3, of the same family, has none)
 static inline bool amd_zen4() {
@@ -99,13 +106,4 @@ static inline bool amd_zen4() {
     return __builtin_cpu_is("amdfam19h") != 0 && has_avx512();
   }();
   return zen4;
-}
-
-static inline bool has_avx512() {
-  static const bool present = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl");
-  }();
-  return present;
 }

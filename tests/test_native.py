@@ -17,12 +17,14 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
 import textwrap
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -34,6 +36,7 @@ from conftest import threads
 from kvstore.engine import native
 from kvstore.engine import ops
 from kvstore.engine.native import build
+from native_paths import on_path, require_both
 
 needs_native = pytest.mark.skipif(native.kernels() is None, reason=f"this process uses {native.status()}")
 TORCH_ONLY = (None, "torch's kernels (test)")
@@ -86,22 +89,39 @@ def contract_dot(w, x):
     return lanes_summed(acc)
 
 
+@contextmanager
+def bf16_path(path: str):
+    """The bfloat16 ops on `path` inside the block: "best" (this CPU's), or "avx2" (skips where the best
+    is AVX2 already: "best" runs it)."""
+    if path == "best":
+        yield
+        return
+    require_both("bf16")
+    with on_path("bf16", path):
+        yield
+
+
+PATHS = ["best", "avx2"]
+
+
 @needs_native
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("rows,n", [(5, 31), (64, 576), (7, 1000)])
-def test_product_bits_are_the_contracts_on_every_path(rows, n):
+def test_product_bits_are_the_contracts_on_every_path(rows, n, path):
     """AVX512-BF16 and AVX2 compute the same sums in the same order (values here are never
     subnormal, where vdpbf16ps would flush)."""
     w, x, add = bf16(rows, n, seed=21), bf16(n, seed=22), bf16(rows, seed=23)
-    k = native.kernels()
-    assert torch.equal(k.gemv(w, x), contract_dot(w, x).to(torch.bfloat16))
-    assert torch.equal(k.gemv(w, x, add), (add.float() + contract_dot(w, x)).to(torch.bfloat16))
-    xs = bf16(3, n, seed=24)
-    assert torch.equal(k.gemv_rows(w, xs), torch.stack([contract_dot(w, r) for r in xs]).to(torch.bfloat16))
+    k, xs = native.kernels(), bf16(3, n, seed=24)
+    with bf16_path(path):
+        assert torch.equal(k.gemv(w, x), contract_dot(w, x).to(torch.bfloat16))
+        assert torch.equal(k.gemv(w, x, add), (add.float() + contract_dot(w, x)).to(torch.bfloat16))
+        assert torch.equal(k.gemv_rows(w, xs), torch.stack([contract_dot(w, r) for r in xs]).to(torch.bfloat16))
 
 
 @needs_native
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("H", [17, 576])
-def test_rms_norm_bits_are_the_contracts_on_every_path(H):
+def test_rms_norm_bits_are_the_contracts_on_every_path(H, path):
     x, w = bf16(4, H, seed=25), bf16(H, seed=26)
     squares = torch.nn.functional.pad(x.float() * x.float(), (0, -H % 16)).view(4, -1, 16)
     acc = torch.zeros(4, 16)
@@ -109,7 +129,30 @@ def test_rms_norm_bits_are_the_contracts_on_every_path(H):
         acc = acc + squares[:, k]
     scale = 1 / torch.sqrt(lanes_summed(acc) / torch.tensor(float(H)) + torch.tensor(1e-5, dtype=torch.float32))
     expected = (x.float() * scale[:, None] * w.float()).to(torch.bfloat16)
-    assert torch.equal(native.kernels().rms_norm(x, w, 1e-5), expected)
+    with bf16_path(path):
+        assert torch.equal(native.kernels().rms_norm(x, w, 1e-5), expected)
+
+
+@needs_native
+def test_swiglu_and_rotary_take_the_same_steps_on_avx2():
+    """Beside the sums above, the elementwise ops of the AVX2 path give the AVX512-BF16 path's bits
+    (tails included); a path that does not exist, or that the CPU lacks, is refused."""
+    k = native.kernels()
+    gate_up, (cos, sin) = bf16(5, 2 * 1000, seed=31), rope_tables(9, 48)
+    qk = bf16(9, 5, 48, seed=32)
+
+    def both():
+        return k.swiglu(gate_up), k.rope_(qk.clone(), cos[:, None], sin[:, None])
+
+    with pytest.raises(RuntimeError, match=re.escape("bf16_isa: no path named 'avx512' (avx512-bf16, avx2, or '' for")):
+        torch.ops.kvstore.bf16_isa("avx512")
+    require_both("bf16")
+    best = both()
+    with on_path("bf16", "avx2"):
+        assert torch.ops.kvstore.bf16_isa() == "avx2"
+        avx2 = both()
+    assert torch.ops.kvstore.bf16_isa() == "avx512-bf16"
+    assert all(torch.equal(a, b) for a, b in zip(best, avx2))
 
 
 @needs_native

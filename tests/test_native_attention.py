@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch.testing import assert_close
 
 from kvstore.engine import native
+from native_paths import on_path, require_both
 
 pytestmark = pytest.mark.skipif(native.attention() is None, reason=f"no native attention: {native._attention[1]}")
 
@@ -254,6 +255,53 @@ def test_bfloat16_dot_products_equal_fused_multiply_adds():
                 assert torch.equal(run(q, pool, tables, seq, lens), fma), subnormal
     finally:
         dot(before)
+
+
+@pytest.mark.parametrize("hd", [16, 32, 64, 128])
+def test_the_avx2_steps_give_the_avx512_steps_bits(hd):
+    """What a CPU with AVX2 alone runs (attention_steps_avx2.h), run here beside the AVX512 steps: the
+    same bits for prefill chunks (K and V laid out once), decode rows (V read from the rows, every head
+    scored at once), forks sharing blocks and subnormal values, against vdpbf16ps and against the
+    AVX512 multiply-adds. Skips where the CPU has no AVX512 to compare with."""
+    require_both("attention")
+    dot = torch.ops.kvstore.attention_dot_bf16
+    seqs = sequences([1500, 40, 300], hd=hd)
+    q = queries(9, hd=hd, seed=7)
+    if hd >= 32:  # (subnormal_heavy writes dimensions 0..19)
+        seqs, q = subnormal_heavy(seqs, q)
+    seq, lens = [0, 0, 0, 1, 0, 0, 2, 2, 1], [1500, 1, 700, 40, 1499, 1498, 300, 17, 33]
+    pool, tables = paged(seqs, block=32, shuffle=8)
+    doc = sequences([600], hd=hd, seed=12)[0]
+    shared = forks(doc, [(600, t) for t in sequences([20, 3, 70], hd=hd, seed=13)])
+    shared_q = queries(3, hd=hd, seed=14)
+
+    def every_case():
+        rows = [run(q[r:r + 1], pool, tables, [seq[r]], [lens[r]]) for r in range(len(seq))]  # decode rows alone
+        return [run(q, pool, tables, seq, lens), *rows,
+                run(shared_q, shared[0], shared[1], [0, 1, 2], [s.shape[0] for s in shared[2]])]
+
+    before = dot(True)
+    try:
+        avx512 = {True: every_case()}
+        dot(False)
+        avx512[False] = every_case()
+        with on_path("attention", "avx2"):
+            avx2 = every_case()
+    finally:
+        dot(before)
+    for way, outs in avx512.items():
+        assert all(torch.equal(a, b) for a, b in zip(avx2, outs)), f"vdpbf16ps: {way}"
+    assert torch.ops.kvstore.attention_isa() == "avx512"  # put back
+
+
+def test_paths_the_cpu_lacks_or_that_do_not_exist_are_refused():
+    isa = torch.ops.kvstore.attention_isa
+    with pytest.raises(RuntimeError, match=re.escape("attention_isa: no path named 'sse4' (avx512, avx2, or '' for this CPU's best)")):
+        isa("sse4")
+    if isa() != "avx512":
+        with pytest.raises(RuntimeError, match="this CPU lacks the avx512 path"):
+            isa("avx512")
+    assert isa() in ("avx512", "avx2")
 
 
 def test_the_contiguous_cache_is_one_sequence_of_blocks_in_order():

@@ -17,6 +17,7 @@ from conftest import threads
 from engine_models import Q
 from kvstore.engine import native
 from kvstore.engine.rows import Item
+from native_paths import avx2_everywhere, require_both
 
 needs_stack = pytest.mark.skipif(native.layers() is None, reason=f"this process runs {native.layers_status()}")
 
@@ -228,3 +229,34 @@ def test_the_stack_refuses_weights_that_do_not_fit_its_layers(tiny):
             torch.zeros(1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), cfg.n_heads, 1e-5)
     with pytest.raises(RuntimeError, match="llama_layers: layer 0's weight 0 is"):
         native.layers()(x, swapped, swapped_meta, norms, cos, sin, *args)
+
+
+@needs_stack
+def test_a_model_on_the_avx2_steps_computes_the_bits_of_the_avx512_ones(tiny, stack_calls):
+    """The attention and the bfloat16 ops on the steps a CPU without AVX512 runs (native_paths), in the
+    stack and in Python's loop, for one sequence and for a paged batch, and a model on bfloat16
+    weights (the products by gemv): every hidden state, logit and K/V byte as on the AVX512 steps.
+    A session made on one kind of CPU continues on the other with these bits."""
+    require_both()
+    m, model = load(tiny, "q4_1-stored")
+    ids = m.ids(60, seed=3)
+    dense = kvstore.load_model(m.folder, dtype="bfloat16", weights="dense")
+
+    def everything():
+        with torch.inference_mode():
+            out = [one_sequence(model, ids, prompt=41), paged_batch(model, m, steps=6)]
+            with python_loop(model):
+                out.append(one_sequence(model, ids, prompt=41))
+        return out + [one_sequence(dense, ids, prompt=41)]
+
+    avx512 = everything()
+    calls = len(stack_calls)
+    with avx2_everywhere():
+        avx2 = everything()
+    assert calls and len(stack_calls) == 2 * calls
+    for name, a, b in zip(("stack", "paged batch", "loop", "bfloat16 weights"), avx2, avx512):
+        assert torch.equal(a[0], b[0]), name
+        if name != "paged batch":
+            assert torch.equal(a[1], b[1]), name
+        states = zip(a[1], b[1]) if name == "paged batch" else [(a[2], b[2])]
+        assert all(torch.equal(x, y) for sa, sb in states for x, y in zip(sa, sb)), f"{name}: K/V"

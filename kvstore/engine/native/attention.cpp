@@ -41,7 +41,8 @@
 // instructions.
 // The steps run on AVX512 (F, BW, VL: attention_steps.h) or, on CPUs without it, on AVX2 and FMA
 // (attention_steps_avx2.h: the same arithmetic on two 8-lane halves of each 16-lane vector).
-// kvstore::attention_isa() says which this CPU runs ("avx512", "avx2", or "" where neither);
+// kvstore::attention_isa() says which steps run ("avx512", "avx2", or "" where neither: the CPU's
+// best, unless a test asked for the AVX2 steps on an AVX512 CPU to compare the two);
 // kvstore::attention_dot_bf16() whether the scores and the values use vdpbf16ps (tests switch it to
 // compare the two ways).
 // The units, the plan and the problem's checks are in attention_rows.h (which layers.cpp shares).
@@ -77,6 +78,7 @@ bool dot_bf16_default() {
   return has_avx512() && __builtin_cpu_supports("avx512bf16") && !intel_cpu();
 }
 std::atomic<bool> dot_bf16{dot_bf16_default()};  // see attention_dot_bf16
+std::atomic<bool> avx2_steps{!has_avx512()};      // see attention_isa
 
 // runs body(i, work) for i in 0..n-1, each on some thread, threads taking the next i as they finish
 template <typename F>
@@ -95,7 +97,7 @@ void each(int64_t n, int64_t queries, const Problem& pb, const F& body) {
 at::Tensor attention_rows(const at::Tensor& q, const at::Tensor& pool, const at::Tensor& tables,
                           const at::Tensor& row_seq, const at::Tensor& row_len) {
   KV_CHECK(*isa(), "attention_rows: this CPU has neither AVX512 (F, BW, VL) nor AVX2 with FMA");
-  Problem pb = problem(q, pool, tables, row_seq, row_len, dot_bf16.load());
+  Problem pb = problem(q, pool, tables, row_seq, row_len, dot_bf16.load(), avx2_steps.load());
   const int64_t R = q.size(0);
   at::Tensor out = at::empty({R, pb.n_heads, pb.hd}, q.options());
   pb.out = static_cast<uint16_t*>(out.data_ptr());
@@ -114,7 +116,15 @@ at::Tensor attention_rows(const at::Tensor& q, const at::Tensor& pool, const at:
   return out;
 }
 
-std::string attention_isa() { return isa(); }
+// The steps attention_rows runs: "avx512", "avx2" or "" (the CPU has neither). set("avx2") makes it
+// run the AVX2 steps, on any CPU with AVX2, set("avx512") the AVX512 ones where the CPU has them,
+// set("") the CPU's best again: for tests that compare the two (the same bits) on an AVX512 CPU.
+// Returns the setting before; a name the CPU cannot run is refused.
+std::string attention_isa(std::optional<std::string> set) {
+  const std::string before = !*isa() ? "" : avx2_steps.load() ? "avx2" : "avx512";
+  if (set.has_value()) avx2_steps.store(avx2_after("attention_isa", *set, "avx512", has_avx512()));
+  return before;
+}
 
 // Whether the scores and the values use vdpbf16ps (by default: dot_bf16_default); set(true) makes
 // them take it where the CPU has it, set(false) the fused multiply-adds, for tests that compare the two
@@ -132,7 +142,7 @@ bool attention_dot_bf16(std::optional<bool> set) {
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvstore, m) {
-  m.def("attention_isa() -> str", &attention_isa);
+  m.def("attention_isa(str? set=None) -> str", &attention_isa);
   m.def("attention_dot_bf16(bool? set=None) -> bool", &attention_dot_bf16);
   m.def("attention_rows(Tensor q, Tensor pool, Tensor tables, Tensor row_seq, Tensor row_len) -> Tensor");
 }

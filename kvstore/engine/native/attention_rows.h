@@ -46,13 +46,15 @@ struct Steps {
   void (*natural_order)(const Problem&, float*, int64_t);
 };
 
-const Steps& steps() {
+// the steps pb runs on (Problem::avx2)
+const Steps& steps(const Problem& pb) {
   static const Steps avx512_steps{&avx512::layout_group, &avx512::group_step, &avx512::fold, &avx512::lane_sum,
                                   &avx512::head_scores, &avx512::natural_order};
   static const Steps avx2_steps{&avx2::layout_group, &avx2::group_step, &avx2::fold, &avx2::lane_sum, nullptr, nullptr};
-  return has_avx512() ? avx512_steps : avx2_steps;
+  return pb.avx2 ? avx2_steps : avx512_steps;
 }
 
+// the best steps this CPU has
 const char* isa() { return has_avx512() ? "avx512" : has_avx2() ? "avx2" : ""; }
 
 struct Unit {
@@ -125,7 +127,7 @@ int64_t load_queries(const Problem& pb, const int64_t* row, int64_t n, int64_t* 
 // first group of the unit's next partition comes from memory while this one's last computes.
 void run_partition(const Problem& pb, int64_t seq, int64_t max_len, int64_t layout, const uint32_t* layouts,
                    const int64_t* len, int64_t per_kv, int64_t part, Work& w, int64_t ahead_end) {
-  const Steps& st = steps();
+  const Steps& st = steps(pb);
   const int64_t hd = pb.hd, nq = per_kv * pb.n_kv, stride = pb.token_stride();
   const int64_t start = part * kPartition, end = std::min(start + kPartition, max_len);
   // a few queries per KV head (a decode step's tiles) read V from the rows and score every head at once
@@ -171,13 +173,13 @@ void keep_partial(const Problem& pb, const Work& w, int64_t i, float* r) {
   const int64_t hd = pb.hd;
   std::copy(w.acc + i * hd, w.acc + (i + 1) * hd, r);
   r[hd] = w.m[i];
-  r[hd + 1] = steps().lane_sum(w.lsum + i * kGroup);
+  r[hd + 1] = steps(pb).lane_sum(w.lsum + i * kGroup);
 }
 
 // partitions u.first..u.end-1 of one tile, every KV head: folded and written out when the unit holds
 // all of them, else each partial into the scratch
 void run_unit(const Problem& pb, const Tile& t, const Unit& u, float* scratch, const uint32_t* layouts, Work& w) {
-  const Steps& st = steps();
+  const Steps& st = steps(pb);
   const int64_t G = pb.group, hd = pb.hd, rec = pb.record();
   int64_t row[kTileQueries], len[kTileQueries];
   for (int64_t k = 0; k < t.rows; k++) row[k] = t.row + k;
@@ -226,7 +228,7 @@ void fold_unit(const Problem& pb, const Tile& t, const float* scratch, float* f)
     const int64_t row = t.row + i % per_kv / G, parts = (pb.row_len[row] + kPartition - 1) / kPartition;
     for (int64_t part = 0; part < parts; part++) {
       const float* r = scratch + (t.scratch + part * nq + i) * rec;
-      steps().fold(f, r, r[hd], r[hd + 1], hd, part == 0);
+      steps(pb).fold(f, r, r[hd], r[hd + 1], hd, part == 0);
     }
     finish(f, hd, pb.out + (row * pb.n_heads + i / per_kv * G + i % G) * hd);
   }
@@ -294,9 +296,12 @@ void check_tensor(const at::Tensor& t, const char* what, at::ScalarType type, in
               " on ", t.device());
 }
 
-// the attention of q over the pool, checked (dot_bf16: whether the steps take vdpbf16ps); its out is set later
+// the attention of q over the pool, checked (dot_bf16: whether the steps take vdpbf16ps, which the AVX512
+// steps alone have; avx2: the AVX2 steps, else AVX512's); its out is set later
 Problem problem(const at::Tensor& q, const at::Tensor& pool, const at::Tensor& tables, const at::Tensor& row_seq,
-                const at::Tensor& row_len, bool dot_bf16) {
+                const at::Tensor& row_len, bool dot_bf16, bool avx2) {
+  KV_CHECK(avx2 ? has_avx2() : has_avx512(), "attention_rows: this CPU lacks the ", avx2 ? "AVX2" : "AVX512",
+           " steps asked for");
   check_tensor(q, "q", at::kBFloat16, 3);
   check_tensor(pool, "the pool", at::kBFloat16, 5);
   check_tensor(tables, "the block tables", at::kInt, 2);
@@ -330,7 +335,7 @@ Problem problem(const at::Tensor& q, const at::Tensor& pool, const at::Tensor& t
   }
   return Problem{static_cast<const uint16_t*>(q.data_ptr()), q.stride(0), q.stride(1),
                  static_cast<const uint16_t*>(pool.data_ptr()), tab, seq, len, nullptr, H, n_kv, H / n_kv, hd, bt,
-                 max_blocks, float(1.0 / std::sqrt(double(hd))), dot_bf16};
+                 max_blocks, float(1.0 / std::sqrt(double(hd))), dot_bf16 && !avx2, avx2};
 }
 
 // ---- the plan -------------------------------------------------------------------------------------
@@ -420,7 +425,7 @@ void lay_out(const Problem& pb, const Plan& p, uint32_t* layouts, int64_t i) {
   const uint16_t* rows = pb.token(lay.seq, g);
   uint32_t* kt = layouts + lay.at + g / kGroup * pb.n_kv * words;
   for (int64_t kv = 0; kv < pb.n_kv; kv++, kt += words)
-    steps().layout_group(pb, rows + kv * pb.hd, std::min(kGroup, lay.max_len - g), kt, kt + pb.hd / 2 * kGroup);
+    steps(pb).layout_group(pb, rows + kv * pb.hd, std::min(kGroup, lay.max_len - g), kt, kt + pb.hd / 2 * kGroup);
 }
 
 // phase 2, item i: one unit (a tile's partitions, or a Shared partition)

@@ -39,6 +39,7 @@ struct Problem {
   int64_t n_heads, n_kv, group, hd, block_tokens, max_blocks;
   float scale;
   bool dot_bf16;  // the scores by vdpbf16ps (see scores_bf16)
+  bool avx2;      // the steps of attention_steps_avx2.h (the CPU lacks AVX512, or a test asked), else these
 
   int64_t token_stride() const { return 2 * n_kv * hd; }
   int64_t record() const { return hd + 16; }  // floats per partial: acc [hd], m, l, padding to 64 bytes

@@ -19,9 +19,10 @@
 //   count or on which thread took the row. Results round once, to nearest even.
 // - Inputs are bfloat16 CPU tensors; non-contiguous ones are copied first, except rope's x, which
 //   is updated in place through its strides (its last dimension must be contiguous).
-// - kvstore::bf16_isa() says which path this CPU takes: "avx512-bf16", "avx2" (bits equal to the
+// - kvstore::bf16_isa() says which path the ops take: "avx512-bf16", "avx2" (bits equal to the
 //   AVX512 path's but where a value is subnormal: vdpbf16ps and vcvtneps2bf16 flush those), or "" where
-//   neither runs: then the kernels refuse to run.
+//   neither runs: then the kernels refuse to run. It is the CPU's best, unless a test asked for the
+//   AVX2 path on an AVX512-BF16 CPU to compare the two (bf16_isa(set)).
 // The row steps the ops run are in kernels_bf16.h.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -32,6 +33,7 @@
 #include "check.h"
 #include "kernels_bf16.h"
 
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <optional>
@@ -41,6 +43,18 @@
 namespace {
 
 using namespace kvbf16;
+
+std::atomic<bool> avx2_path{!avx512_bf16()};  // see bf16_isa
+
+// The path the ops take: "avx512-bf16", "avx2" or "" (the CPU has neither). set("avx2") makes them take
+// the AVX2 steps, on any CPU with AVX2, set("avx512-bf16") the AVX512-BF16 ones where the CPU has them,
+// set("") the CPU's best again: for tests that compare the two on an AVX512-BF16 CPU. Returns the
+// setting before; a path the CPU cannot run is refused.
+std::string bf16_isa(std::optional<std::string> set) {
+  const std::string before = best_bf16_isa().empty() ? "" : avx2_path.load() ? "avx2" : "avx512-bf16";
+  if (set.has_value()) avx2_path.store(avx2_after("bf16_isa", *set, "avx512-bf16", avx512_bf16()));
+  return before;
+}
 
 // t is a bfloat16 CPU tensor with `dims` dimensions (0: any number but none)
 void check(const at::Tensor& t, const char* op, const char* what, int64_t dims = 0) {
@@ -59,7 +73,7 @@ void products(const at::Tensor& w, const at::Tensor& x, int64_t R, const uint16_
   const uint16_t *W = bits(w), *X = bits(x);
   auto* Y = static_cast<c10::BFloat16*>(y.data_ptr());
   const int64_t blocks = (rows + kRows - 1) / kRows;
-  const Steps& st = steps();
+  const Steps& st = steps(avx2_path.load());
   at::parallel_for(0, blocks, kGrain, [&](int64_t begin, int64_t end) {
     float dots[kRows];
     for (int64_t b = begin; b < end; b++) {
@@ -126,7 +140,7 @@ at::Tensor rms_norm_bf16(const at::Tensor& x_any, const at::Tensor& w_any, doubl
   at::Tensor out = at::empty(x.sizes(), x.options());
   const uint16_t *X = bits(x), *W = bits(w);
   uint16_t* O = bits_out(out);
-  const Steps& st = steps();
+  const Steps& st = steps(avx2_path.load());
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; r++) st.rms_norm_row(X + r * H, W, O + r * H, H, float(eps), 0, H);
   });
@@ -144,7 +158,7 @@ at::Tensor swiglu_bf16(const at::Tensor& gu_any) {
   at::Tensor out = at::empty(shape, gu.options());
   const uint16_t* G = bits(gu);
   uint16_t* O = bits_out(out);
-  const Steps& st = steps();
+  const Steps& st = steps(avx2_path.load());
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; r++) st.swiglu_row(G + r * 2 * F, G + r * 2 * F + F, O + r * F, F);
   });
@@ -165,7 +179,7 @@ at::Tensor& rope_bf16_(at::Tensor& x, const at::Tensor& cos_any, const at::Tenso
               hd);
   uint16_t* X = bits_out(x);
   const uint16_t *C = bits(cos), *S = bits(sin);
-  const Steps& path = steps();  // (st is the token stride here)
+  const Steps& path = steps(avx2_path.load());  // (st is the token stride here)
   at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; t++)
       for (int64_t h = 0; h < heads; h++) path.rope_head(X + t * st + h * sh, C + t * hd, S + t * hd, hd);
@@ -177,7 +191,7 @@ at::Tensor& rope_bf16_(at::Tensor& x, const at::Tensor& cos_any, const at::Tenso
 
 TORCH_LIBRARY(kvstore, m) {
   m.def("avx512_bf16() -> bool", &avx512_bf16);
-  m.def("bf16_isa() -> str", &bf16_isa);
+  m.def("bf16_isa(str? set=None) -> str", &bf16_isa);
   m.def("gemv_bf16(Tensor w, Tensor x, Tensor? add=None) -> Tensor");
   m.def("gemv_rows_bf16(Tensor w, Tensor x, Tensor? add=None) -> Tensor");
   m.def("rms_norm_bf16(Tensor x, Tensor weight, float eps) -> Tensor");

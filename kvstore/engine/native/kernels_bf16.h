@@ -51,7 +51,8 @@ bool avx512_bf16() {
   return present;
 }
 
-std::string bf16_isa() { return avx512_bf16() ? "avx512-bf16" : has_avx2() ? "avx2" : ""; }
+// the best path this CPU has
+std::string best_bf16_isa() { return avx512_bf16() ? "avx512-bf16" : has_avx2() ? "avx2" : ""; }
 
 void require_isa(const char* op) {
   KV_CHECK(avx512_bf16() || has_avx2(), op, ": this CPU has neither AVX512-BF16 nor AVX2 with FMA");
@@ -66,7 +67,8 @@ struct Steps {
   void (*rope_head)(uint16_t*, const uint16_t*, const uint16_t*, int64_t);
 };
 
-const Steps& steps();
+// the AVX2 steps where avx2 (the CPU lacks AVX512-BF16, or a test asked: bf16_isa), else AVX512-BF16's
+const Steps& steps(bool avx2);
 
 // ---- elementwise kernels: float32 lanes in, bfloat16 out -----------------------------------------
 
@@ -114,10 +116,10 @@ KV_AVX512_BF16 void rope_head(uint16_t* x, const uint16_t* cos, const uint16_t* 
   }
 }
 
-const Steps& steps() {
+const Steps& steps(bool avx2) {
   static const Steps avx512{&dot_rows, &rms_norm_row, &swiglu_row, &rope_head};
   static const Steps on_avx2{&bf16_avx2::dot_rows, &bf16_avx2::rms_norm_row, &bf16_avx2::swiglu_row, &bf16_avx2::rope_head};
-  return avx512_bf16() ? avx512 : on_avx2;
+  return avx2 ? on_avx2 : avx512;
 }
 
 }  // namespace kvbf16

@@ -9,6 +9,9 @@
 #include <immintrin.h>
 
 #include <cstdint>
+#include <string>
+
+#include "check.h"
 
 #define KV_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl")))
 #define KV_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
@@ -106,4 +109,16 @@ static inline bool amd_zen4() {
     return __builtin_cpu_is("amdfam19h") != 0 && has_avx512();
   }();
   return zen4;
+}
+
+// The path setting of a kernel library (attention_isa, bf16_isa; tests compare the paths, and every
+// process starts on the best): whether its AVX2 steps run once `name` is set, name being "avx2",
+// `fast` (the library's AVX512 path, which the CPU has where has_fast) or "" (the CPU's best). A name
+// that is none of these, or a path the CPU lacks, is refused.
+inline bool avx2_after(const char* op, const std::string& name, const char* fast, bool has_fast) {
+  KV_CHECK(name.empty() || name == "avx2" || name == fast, op, ": no path named '", name, "' (", fast,
+           ", avx2, or '' for this CPU's best)");
+  KV_CHECK(name != "avx2" || has_avx2(), op, ": this CPU lacks the avx2 path (AVX2 with FMA)");
+  KV_CHECK(name != fast || has_fast, op, ": this CPU lacks the ", fast, " path");
+  return name.empty() ? !has_fast : name == "avx2";
 }

@@ -71,11 +71,18 @@ bool attention_dot_bf16() {
   return op.call(std::nullopt);
 }
 
-// whether an op of another library runs its AVX2 steps now (its setting, which tests switch: `setting`
-// is kvstore::attention_isa or kvstore::bf16_isa): asked at each call
-bool avx2_steps(const char* setting) {
-  const auto op = c10::Dispatcher::singleton().findSchemaOrThrow(setting, "")
-                      .typed<std::string(std::optional<std::string>)>();
+// whether the attention's and the bfloat16 ops' AVX2 steps run now (their settings, held by
+// attention.cpp and kernels_bf16.cpp, which tests switch): asked at each call
+using PathSetting = c10::TypedOperatorHandle<std::string(std::optional<std::string>)>;
+PathSetting path_setting(const char* op) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(op, "").typed<std::string(std::optional<std::string>)>();
+}
+bool avx2_attention() {
+  static const PathSetting op = path_setting("kvstore::attention_isa");
+  return op.call(std::nullopt) == "avx2";
+}
+bool avx2_bf16() {
+  static const PathSetting op = path_setting("kvstore::bf16_isa");
   return op.call(std::nullopt) == "avx2";
 }
 
@@ -185,7 +192,7 @@ at::Tensor llama_layers(const at::Tensor& x_in, at::TensorList weights, at::IntA
   // the attention: one plan for every layer (it depends on the rows and tables, not on the cache)
   at::Tensor q_view = qkv.narrow(1, 0, q_end).view({R, n_heads, hd});
   Problem pb = kvattn::problem(q_view, first, tables, row_seq, row_len, attention_dot_bf16(),
-                                avx2_steps("kvstore::attention_isa"));
+                                avx2_attention());
   pb.out = static_cast<uint16_t*>(o.data_ptr());
   const kvattn::Plan plan = kvattn::plan_of(pb, R, threads);
   at::Tensor layout_memory = at::empty({std::max<int64_t>(plan.layout_total, 1)}, x.options().dtype(at::kInt));
@@ -198,7 +205,7 @@ at::Tensor llama_layers(const at::Tensor& x_in, at::TensorList weights, at::IntA
   // per layer, the next item of each attention phase (taken by threads as they come free, as attention_rows does)
   std::unique_ptr<std::atomic<int64_t>[]> next(new std::atomic<int64_t>[3 * n_layers]);
   for (int64_t k = 0; k < 3 * n_layers; k++) next[k].store(0);
-  const kvbf16::Steps& bf = kvbf16::steps(avx2_steps("kvstore::bf16_isa"));
+  const kvbf16::Steps& bf = kvbf16::steps(avx2_bf16());
   const float eps_f = float(eps);
   const int64_t n_groups = int64_t(plan.groups.size()), n_units = int64_t(plan.units.size()),
                 n_folds = int64_t(plan.folds.size());

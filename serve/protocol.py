@@ -47,6 +47,8 @@ MAX_STOPS = 4
 SAMPLER_FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 MAX_TOP_LOGPROBS = 20  # chat's top_logprobs, as OpenAI bounds it
 MAX_COMPLETION_LOGPROBS = 5  # the completions API's logprobs (alternatives per token), as OpenAI bounds it
+# n: the choices one request may ask for, each generated in a session of its own (routes/answers.py)
+MAX_CHOICES = 16
 LOGPROBS_INCLUDE = "message.output_text.logprobs"  # what a response's `include` names to get them
 # what else OpenAI's Responses API may be asked to include: output this server never makes (tool
 # calls, images, reasoning), so there is nothing to include and the request is answered as is
@@ -137,7 +139,7 @@ class Sampling(Strict):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int | None = 1
+    n: int | None = Field(1, ge=1, le=MAX_CHOICES)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     top_k: int | None = Field(None, ge=0)  # vLLM's and llama.cpp's extensions, the library's settings
@@ -149,13 +151,6 @@ class Sampling(Strict):
     service_tier: str | None = None
     session: str | None = None  # kvstore: the stored session to continue (or the X-Session-Id header)
     kvstore_trace: bool = False  # kvstore: each token's position, id and logits hash in the reply
-
-    @field_validator("n")
-    @classmethod
-    def _one(cls, v):
-        if v not in (None, 1):
-            raise ValueError("unsupported:n:only n=1 is supported (one reply per request)")
-        return v
 
     @field_validator("stop")
     @classmethod

@@ -84,9 +84,12 @@ async def chained(first: list[dict[str, Any]], rest: AsyncIterator[dict[str, Any
             yield event
 
 
-def usage(end: dict[str, Any]) -> dict[str, Any]:
-    return {"prompt_tokens": end["prompt_tokens"], "completion_tokens": end["completion_tokens"],
-            "total_tokens": end["prompt_tokens"] + end["completion_tokens"],
+def usage(end: dict[str, Any], *more: dict[str, Any]) -> dict[str, Any]:
+    """A reply's usage from its end event; with the end events of a request's other choices (`more`),
+    the prompt counted once (the first choice's) and every choice's tokens."""
+    completion = end["completion_tokens"] + sum(e["completion_tokens"] for e in more)
+    return {"prompt_tokens": end["prompt_tokens"], "completion_tokens": completion,
+            "total_tokens": end["prompt_tokens"] + completion,
             "prompt_tokens_details": {"cached_tokens": end["cached_tokens"]}}
 
 

@@ -154,6 +154,72 @@ def test_a_request_without_a_session_leaves_only_its_prefix_cache_entry(server):
     assert after == before | {reply.kvstore["session"]}
 
 
+def test_n_choices_are_the_replies_of_one_choice_requests_with_the_seeds_after_the_requests(server):
+    """n = 3 in one request: choice i is, token for token and bit for bit, the reply of a one-choice
+    request with seed 7 + i (each choice runs in a session of its own, the last two forked from the
+    first's prompt, the three decoding in the engine's steps together); the usage counts the prompt
+    once and every choice's tokens; each session is kept as a prefix-cache entry, as a one-choice
+    request's is."""
+    client = server.client()
+    before = {s["name"] for s in server.http().get("/v1/sessions").json()["data"]}
+    messages = [{"role": "user", "content": "pick three words that rhyme with the name of a colour"}]
+    many = chat(client, None, messages, n=3, logprobs=True)
+    assert [c.index for c in many.choices] == [0, 1, 2]
+    extras = many.kvstore["choices"]
+    # the first read the prompt; the others forked its whole chunks from the prefix cache
+    assert [e["context"] for e in extras] == ["computed", "reused", "reused"]
+    assert extras[0]["session"] == many.kvstore["session"]
+    assert [e["session"] for e in extras[1:]] == [f"{extras[0]['session']}-1", f"{extras[0]['session']}-2"]
+    traces = [e["trace"] for e in extras]
+    assert len({json.dumps(t) for t in traces}) == 3  # three draws
+    assert [len(c.logprobs.content) for c in many.choices] == [len(t) for t in traces]
+    after = {s["name"] for s in server.http().get("/v1/sessions").json()["data"]}
+    assert after == before | {e["session"] for e in extras}
+    for i, trace in enumerate(traces):
+        one = chat(client, None, messages, seed=SAMPLING["seed"] + i)
+        assert one.kvstore["trace"] == trace, i
+        assert one.choices[0].message.content == many.choices[i].message.content
+        assert one.choices[0].finish_reason == many.choices[i].finish_reason
+    assert many.usage.completion_tokens == sum(len(t) for t in traces)
+    assert many.usage.prompt_tokens == one.usage.prompt_tokens
+    assert many.usage.total_tokens == many.usage.prompt_tokens + many.usage.completion_tokens
+
+
+def test_n_choices_stream_interleaved_each_with_its_index_and_no_event_ids(server):
+    client = server.client()
+    messages = [{"role": "user", "content": "two ways to say it"}]
+    whole = chat(client, None, messages, n=2, max_tokens=16)
+    body = {"model": MODEL_NAME, "messages": messages, "max_tokens": 16, "n": 2, "stream": True,
+            "stream_options": {"include_usage": True}, **SAMPLING}
+    events = stream_events(server, body, {})
+    assert all(event_id is None for event_id, _ in events)  # a stream of several sessions: not resumable
+    texts, finish = ["", ""], [None, None]
+    for _, d in events:
+        for c in (d or {}).get("choices", []):
+            texts[c["index"]] += c["delta"].get("content") or ""
+            finish[c["index"]] = c["finish_reason"] or finish[c["index"]]
+    assert texts == [c.message.content for c in whole.choices]
+    assert finish == [c.finish_reason for c in whole.choices]
+    usage = [d["usage"] for _, d in events if d and d.get("usage")]
+    assert len(usage) == 1  # (its prompt found whole chunks of the first request's in the prefix cache)
+    assert (usage[0]["prompt_tokens"], usage[0]["completion_tokens"]) == (whole.usage.prompt_tokens,
+                                                                         whole.usage.completion_tokens)
+    assert events[-1] == (None, None)  # [DONE]
+
+
+def test_n_choices_need_a_request_without_a_session(server):
+    http = server.http()
+    body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "n": 2}
+    named = http.post("/v1/chat/completions", json=body, headers={"X-Session-Id": "one-story"})
+    assert named.status_code == 400 and named.json()["error"]["param"] == "n"
+    assert "fork the session for each one" in named.json()["error"]["message"]
+    names = {s["name"] for s in http.get("/v1/sessions").json()["data"]}
+    assert "one-story" not in names  # refused before anything ran
+    resumed = http.post("/v1/chat/completions", json={**body, "stream": True},
+                        headers={"Last-Event-ID": "one-story/5/9"})
+    assert resumed.status_code == 400 and "resend with n: 1" in resumed.json()["error"]["message"]
+
+
 def test_completions_continue_raw_text(server):
     client = server.client()
     a = client.completions.create(model=MODEL_NAME, prompt="Once upon a time", max_tokens=12, temperature=0,
@@ -182,6 +248,20 @@ def test_a_completion_prompt_of_token_ids_is_the_texts(server, model_folder):
     for bad, why in (([10**9], "token ids must lie in"), ([], "empty list"), ([[1, 2], [3]], "one prompt")):
         r = server.http().post("/v1/completions", json={"model": MODEL_NAME, "prompt": bad, "max_tokens": 2})
         assert r.status_code == 400 and why in r.json()["error"]["message"], r.text
+
+
+def test_n_completions_are_one_choice_completions_and_a_refused_prompt_leaves_no_session(server):
+    client, http = server.client(), server.http()
+    ask = dict(model=MODEL_NAME, prompt="Once upon a time", max_tokens=10, temperature=1.0, seed=11)
+    many = client.completions.create(n=2, **ask)
+    assert [c.index for c in many.choices] == [0, 1]
+    for i in (0, 1):
+        one = client.completions.create(**{**ask, "seed": 11 + i})
+        assert one.choices[0].text == many.choices[i].text
+    before = {s["name"] for s in http.get("/v1/sessions").json()["data"]}
+    long = http.post("/v1/completions", json={**ask, "prompt": "word " * 400, "n": 3})
+    assert long.status_code == 400 and long.json()["error"]["code"] == "context_length_exceeded"
+    assert {s["name"] for s in http.get("/v1/sessions").json()["data"]} == before
 
 
 def test_tokenize_gives_the_ids_a_request_reads_and_detokenize_their_text(server, model_folder):

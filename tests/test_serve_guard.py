@@ -172,7 +172,8 @@ BAD_INPUT = [
      "unknown_parameter"),
     ("unsupported field", CHAT, {}, json.dumps(chat_body("x", tools=[{"type": "function"}])).encode(), 400,
      "unsupported_parameter"),
-    ("n above 1", CHAT, {}, json.dumps(chat_body("x", n=2)).encode(), 400, "unsupported_parameter"),
+    ("n above the limit", CHAT, {}, json.dumps(chat_body("x", n=17)).encode(), 400, "invalid_value"),
+    ("n 0", COMPLETIONS, {}, json.dumps({"model": "tiny", "prompt": "x", "n": 0}).encode(), 400, "invalid_value"),
     ("tool calls in a message", CHAT, {}, json.dumps(chat_body("x") | {"messages": [
         {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function"}]},
         {"role": "user", "content": "x"}]}).encode(), 400, "unsupported_parameter"),

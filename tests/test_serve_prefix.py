@@ -33,9 +33,9 @@ def start(tmp_path, model_folder, *args) -> LiveServer:
     return LiveServer(tmp_path / "home", model_folder, "--chunk-size", str(CHUNK), "--threads", "1", *args)
 
 
-def ask(server, messages: list[dict]):
+def ask(server, messages: list[dict], **more):
     return server.client().chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=12,
-                                                   extra_body={"kvstore_trace": True}, **SAMPLING)
+                                                   extra_body={"kvstore_trace": True}, **SAMPLING, **more)
 
 
 def cold_trace(model_folder: str, home, messages: list[dict]) -> list[dict]:
@@ -118,3 +118,19 @@ def test_prefix_cache_0_turns_it_off(tmp_path, model_folder):
             while http.get("/v1/sessions").json()["data"]:
                 assert time.monotonic() < deadline, server.log()[-3000:]
                 time.sleep(0.05)
+        # n choices: each one's session deleted, after a whole answer and after a stream its client left
+        assert len(ask(server, messages, n=3).choices) == 3
+        assert http_sessions(server) == []
+        with server.http() as http:
+            with http.stream("POST", "/v1/chat/completions", json={**body, "n": 2}) as r:
+                assert r.status_code == 200
+                chunks = (line for line in r.iter_lines() if line.startswith("data:"))
+                assert all(next(chunks) for _ in range(3))
+        deadline = time.monotonic() + 20
+        while http_sessions(server):
+            assert time.monotonic() < deadline, server.log()[-3000:]
+            time.sleep(0.05)
+
+
+def http_sessions(server) -> list:
+    return server.http().get("/v1/sessions").json()["data"]

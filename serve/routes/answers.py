@@ -2,6 +2,16 @@
 (whole, or streamed with resumable ids); `Reply` holds a reply's pieces, its subclasses
 (`chat.ChatReply`, `completions.CompletionReply`) give their API's shapes.
 
+A request for n > 1 choices names no session: choice i runs in a session of its own (the first
+`chatcmpl-ID`, then `chatcmpl-ID-1`, ...), its seed the request's seed + i where one is given (so it
+is the reply of a one-choice request with that seed, bit for bit). The first choice reads the
+prompt; the others start once it has (its first token came), fork its whole chunks from the prefix
+cache and read only the rest, and all decode in the engine's steps together. The answer holds the
+choices in order; the usage counts the prompt once and every choice's tokens; a stream interleaves
+the choices' chunks as they come, each with its index, and carries no event ids (resuming is per
+session: `Last-Event-ID` goes with one-choice requests). Each session is kept as a prefix-cache
+entry afterwards, as a one-choice request's is.
+
 A request that names a session (`X-Session-Id`, or `session` in the body) runs on it; one that
 names none runs in a session of its own (`chatcmpl-...`, `cmpl-...`), made from the longest
 stored prefix of its prompt and kept as a prefix-cache entry once the reply is delivered (with
@@ -12,9 +22,10 @@ session is kept as a prefix-cache entry too (deleted with `--prefix-cache 0`), s
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
@@ -26,6 +37,8 @@ from ..service import Run
 from ..streams import (chained, data, event_id, event_stream, first_events, header_text, parse_last_event_id,
                        trace_line, usage)
 from ..tenants import Tenant
+
+T = TypeVar("T")
 
 
 def session_of(body_session: str | None, header: str | None, resume, own_name: str) -> tuple[str, bool]:
@@ -50,10 +63,21 @@ async def answer(request: Request, body, who: Tenant, x_session_id: str | None, 
     resume = parse_last_event_id(last_event_id)
     request_id = uuid.uuid4().hex[:24]
     public, own = session_of(body.session, x_session_id, resume, f"{reply_class.prefix}-{request_id}")
-    spec: dict[str, Any] = {
-        **job, "session": who.stored(public), "max_tokens": svc.max_tokens(body.limit()), "stop": body.stop,
-        "sampling": body.sampler(), "create": svc.new_session_settings(body.seed, body.sampler()), "seed": body.seed,
+    common: dict[str, Any] = {
+        **job, "max_tokens": svc.max_tokens(body.limit()), "stop": body.stop, "sampling": body.sampler(),
         "trace": body.kvstore_trace, "logprobs": body.alternatives()}
+    if (body.n or 1) > 1:
+        if resume:
+            raise ApiError(400, "Last-Event-ID resumes the stream of one session; a request for n > 1 choices "
+                                "streams several: resend with n: 1 (or leave Last-Event-ID out)", param="n",
+                           code="invalid_value")
+        if not own:
+            raise ApiError(400, f"n is {body.n}, but a stored session holds one continuation: leave the session out "
+                                "for n choices (each runs in a session of its own), or fork the session for each "
+                                "one (POST /v1/sessions/{name}/fork)", param="n", code="invalid_value")
+        return await answer_choices(request, body, who, common, request_id, reply_class=reply_class, route=route)
+    spec: dict[str, Any] = {**common, "session": who.stored(public), "seed": body.seed,
+                            "create": svc.new_session_settings(body.seed, body.sampler())}
     if resume:
         spec.update(after=resume.after, reply_start=resume.start)
     elif own and svc.config.prefix_cache:  # from the longest stored prefix of its prompt (C10)
@@ -76,6 +100,131 @@ async def answer(request: Request, body, who: Tenant, x_session_id: str | None, 
     if own:
         await svc.drop_session(spec["session"])
     return JSONResponse(reply.whole())
+
+
+async def answer_choices(request: Request, body, who: Tenant, common: dict[str, Any], request_id: str, *,
+                         reply_class: type["Reply"], route: str):
+    """`answer` for n > 1 choices (see the module's comment): `common` is the job without its
+    session and seed."""
+    svc = service(request)
+    runs = []
+    for i in range(body.n):
+        name = f"{reply_class.prefix}-{request_id}" + (f"-{i}" if i else "")
+        seed = None if body.seed is None else (body.seed + i) % 2**63
+        spec = {**common, "session": who.stored(name), "seed": seed,
+                "create": svc.new_session_settings(seed, body.sampler())}
+        if svc.config.prefix_cache:
+            spec["prefix"] = {"scope": who.prefix}
+        runs.append(Run(spec, who, name, id=request_id, route=route))
+    streams = [svc.run(run) for run in runs]
+    try:  # the first choice's prompt read (and stored, chunk by chunk), then the others: they fork it
+        firsts = [await first_events(streams[0])]
+        firsts += await all_of([first_events(s) for s in streams[1:]])
+    except BaseException as e:
+        await closed(streams)
+        for run in (r for r in runs if r.started):
+            if isinstance(e, ApiError):  # refused before any output: its session is no one's
+                await svc.drop_session(run.spec["session"], retain=False, missing_ok=True)
+            else:  # the client left: kept as an entry (or deleted) once its job's cancel is through
+                svc.drop_soon(run.spec["session"])
+        raise
+    replies = [reply_class(run, svc.model_id, body.kvstore_trace, first) for run, first in zip(runs, firsts)]
+    events = [chained(first, s) for first, s in zip(firsts, streams)]
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        out = choices_stream(replies, events, include_usage)
+        for run in runs:
+            out = svc.drop_after(out, run.spec["session"])
+        return event_stream(out, svc.config.keep_alive)
+
+    async def take_all(reply: Reply, stream: AsyncIterator[dict[str, Any]]) -> None:
+        async for event in stream:
+            reply.take(event)
+
+    try:
+        await all_of([take_all(r, e) for r, e in zip(replies, events)])
+    except BaseException:
+        await closed(streams)
+        for run in runs:  # kept as entries (or deleted) once their jobs' cancels are through
+            svc.drop_soon(run.spec["session"])
+        raise
+    await all_of([svc.drop_session(run.spec["session"]) for run in runs])
+    wholes = [r.whole() for r in replies]
+    whole = {**wholes[0], "choices": [{**w["choices"][0], "index": i} for i, w in enumerate(wholes)],
+             "usage": usage(*(r.end for r in replies))}
+    whole["kvstore"] = {**wholes[0]["kvstore"], "choices": [w["kvstore"] for w in wholes]}
+    return JSONResponse(whole)
+
+
+async def choices_stream(replies: list["Reply"], events: list[AsyncIterator[dict[str, Any]]],
+                         include_usage: bool) -> AsyncIterator[ServerSentEvent]:
+    """The chunks of several choices as they come, each with its index, without event ids; an error
+    ends the stream with an `{"error": ...}` event, as one choice's would."""
+    try:
+        async for chunk in merged([indexed(i, r.chunks(e)) for i, (r, e) in enumerate(zip(replies, events))]):
+            yield ServerSentEvent(data(chunk))
+    except ApiError as e:
+        yield ServerSentEvent(data(e.body()))
+        return
+    if include_usage:
+        yield ServerSentEvent(data(replies[0].head(choices=[], usage=usage(*(r.end for r in replies)))))
+    yield ServerSentEvent("[DONE]")
+
+
+async def indexed(i: int, chunks: AsyncIterator[tuple[dict[str, Any], Any]]) -> AsyncIterator[dict[str, Any]]:
+    """A choice's chunks (`Reply.chunks`) as choice i's."""
+    async for chunk, _ in chunks:
+        chunk["choices"] = [{**c, "index": i} for c in chunk["choices"]]
+        yield chunk
+
+
+async def all_of(steps: list) -> list:
+    """The coroutines' results, run at once; the first error raised once the others are cancelled."""
+    tasks = [asyncio.ensure_future(step) for step in steps]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def merged(streams: list[AsyncIterator[T]]) -> AsyncIterator[T]:
+    """The items of several async iterators as each gives them (each one's in its order); the first
+    error is raised once the others are stopped."""
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(stream: AsyncIterator[T]) -> None:
+        try:
+            async for item in stream:
+                await queue.put((item, None))
+        except Exception as e:  # noqa: BLE001 -- handed to the reader, which raises it
+            await queue.put((None, e))
+            return
+        await queue.put((done, None))
+
+    tasks = [asyncio.ensure_future(pump(s)) for s in streams]
+    try:
+        left = len(tasks)
+        while left:
+            item, error = await queue.get()
+            if error is not None:
+                raise error
+            if item is done:
+                left -= 1
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def closed(streams: list) -> None:
+    """Close async generators (a run's `finally` cancels its job and writes its log line)."""
+    for s in streams:
+        await s.aclose()
 
 
 class Reply:
@@ -138,26 +287,32 @@ class Reply:
         out = self._events(events, include_usage, resumed)
         return out if drop is None else drop.drop_after(out, self.run.spec["session"])
 
+    async def chunks(self, events: AsyncIterator[dict[str, Any]],
+                     resumed: bool = False) -> AsyncIterator[tuple[dict[str, Any], Any]]:
+        """The reply's chunks as its events come, each with what its event id names after the reply's
+        start: the position before it (the opening), a token's position, or "end" (the last chunk)."""
+        for chunk in [] if resumed else self.opening():  # nothing received yet
+            yield chunk, (self.start or 0) - 1
+        async for event in events:
+            text = self.take(event)
+            if event["event"] == "token" and (text or self.trace or self.logprobs is not None):
+                extra = {"kvstore": {"trace": [trace_line(event)]}} if self.trace else {}
+                if self.logprobs is not None:  # a token that released no text yet still has its entry
+                    extra["logprobs"] = self.logprobs[-1:]
+                yield self.piece(text, **extra), event["position"]
+        end = self.end
+        yield self.piece(end["text"], end["finish_reason"], kvstore={"session": self.run.public}), "end"
+
     async def _events(self, events: AsyncIterator[dict[str, Any]], include_usage: bool,
                       resumed: bool) -> AsyncIterator[ServerSentEvent]:
         public = self.run.public
-        for chunk in [] if resumed else self.opening():  # its id: the reply's start, nothing received yet
-            yield ServerSentEvent(data(chunk), id=event_id(public, self.start, (self.start or 0) - 1))
         try:
-            async for event in events:
-                text = self.take(event)
-                if event["event"] == "token" and (text or self.trace or self.logprobs is not None):
-                    extra = {"kvstore": {"trace": [trace_line(event)]}} if self.trace else {}
-                    if self.logprobs is not None:  # a token that released no text yet still has its entry
-                        extra["logprobs"] = self.logprobs[-1:]
-                    yield ServerSentEvent(data(self.piece(text, **extra)),
-                                          id=event_id(public, self.start, event["position"]))
+            async for chunk, at in self.chunks(events, resumed):
+                yield ServerSentEvent(data(chunk), id=event_id(public, self.start, at))
         except ApiError as e:
             yield ServerSentEvent(data(e.body()))
             return
         end = self.end
-        yield ServerSentEvent(data(self.piece(end["text"], end["finish_reason"], kvstore={"session": public})),
-                              id=event_id(public, self.start, "end"))
         done = event_id(public, self.start, "end")
         if include_usage:
             yield ServerSentEvent(data(self.head(choices=[], usage=usage(end))), id=done)

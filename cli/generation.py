@@ -39,6 +39,7 @@ class Options:
     repetition_penalty: float | None
     presence_penalty: float | None
     frequency_penalty: float | None
+    logit_bias: dict[int, float] | None
     checkpoint_every: int | None
     device: str
     dtype: str | None
@@ -49,7 +50,7 @@ class Options:
 
     @property
     def sampling(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in SAMPLING if getattr(self, k) is not None}
+        return {k: getattr(self, k) for k in (*SAMPLING, "logit_bias") if getattr(self, k) is not None}
 
     def stat(self, message: str) -> None:
         if self.verbose:
@@ -82,6 +83,9 @@ def generation_options(continuing: bool) -> Callable:
           help="Subtract this from the logit of each token the reply has generated (OpenAI's; 0: off)."),
         o("--frequency-penalty", type=click.FloatRange(-2, 2),
           help="Subtract this times how often the reply has generated a token from its logit (OpenAI's; 0: off)."),
+        o("--logit-bias", metavar="ID=BIAS", multiple=True, callback=logit_bias,
+          help="Add BIAS (-100 to 100) to token ID's logit before sampling (OpenAI's logit_bias; repeat for more "
+               "tokens; 100 or -100 all but forces or bans it). On `continue`, replaces the session's."),
         o("--checkpoint-every", type=click.IntRange(min=1),
           help=f"Checkpoint every N generated tokens [default: {every_default}]."),
         o("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
@@ -104,6 +108,20 @@ def generation_options(continuing: bool) -> Callable:
         return f
 
     return decorate
+
+
+def logit_bias(ctx: click.Context, param: click.Parameter, given: tuple[str, ...]) -> dict[int, float] | None:
+    """--logit-bias ID=BIAS ... -> {ID: BIAS}, None when none is given."""
+    bias = {}
+    for item in given:
+        token, sep, value = item.partition("=")
+        try:
+            if not sep:
+                raise ValueError
+            bias[int(token)] = float(value)
+        except ValueError:
+            raise click.BadParameter(f"{item!r} is not ID=BIAS (a token id and a number, e.g. 42=-100)") from None
+    return bias or None
 
 
 def register(cli: click.Group) -> None:

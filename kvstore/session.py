@@ -327,8 +327,10 @@ class Session:
             raise InvalidArgument(f"max_new_tokens must be >= 0 (got {max_new_tokens})")
         if kind != "chat":
             self._seal_call()
-        if sampling:
-            self.settings = dataclasses.replace(self.settings, **sampling)
+        if sampling:  # checked before the call records it
+            settings = dataclasses.replace(self.settings, **sampling)
+            settings.check_vocab(self.model.config.vocab_size)
+            self.settings = settings
         self.active_call = {"kind": kind, "start": len(self.seq.tokens), "max_new_tokens": int(max_new_tokens),
                             "stop": list(stop), **extra}
         self._dirty = True

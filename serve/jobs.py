@@ -72,6 +72,7 @@ def chat(engine, job: dict[str, Any]) -> Iterator[dict[str, Any]]:
     if job.get("after") is not None:
         yield from resume(engine, job)
         return
+    check_sampling(engine, job)
     messages = job["messages"]
     if job.get("prefix") is not None:  # a request of its own: from the longest stored prefix (C10)
         prompt = engine.model.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
@@ -104,6 +105,13 @@ def converse(session, new: list[dict[str, str]], **args) -> Iterator[str]:
     return session.chat(new[-1]["content"], **args)
 
 
+def check_sampling(engine, job: dict[str, Any]) -> None:
+    """The request's sampler settings against the model (a logit_bias id past its vocabulary), before
+    the job opens, makes or extends a session: a refused request leaves the session as it was."""
+    if sampling := job.get("sampling"):
+        kvstore.SamplerSettings(**sampling).check_vocab(engine.model.config.vocab_size)
+
+
 def check_seed(session, seed: int | None) -> None:
     """A session draws with the seed it was made with (C3: a draw is a function of seed and position)."""
     if seed is not None and seed != session.seed:
@@ -116,6 +124,7 @@ def complete(engine, job: dict[str, Any]) -> Iterator[dict[str, Any]]:
     if job.get("after") is not None:
         yield from resume(engine, job)
         return
+    check_sampling(engine, job)
     text = job["prompt"] if isinstance(job["prompt"], str) else None  # else token ids, as they are
     if job.get("prefix") is not None:  # a request of its own: from the longest stored prefix (C10)
         prompt = job["prompt"] if text is None else engine.model.tokenizer.encode(text, add_bos=None)  # as append_text

@@ -16,6 +16,9 @@ from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+import kvstore
+from kvstore import errors
+
 # fields of OpenAI's API that kvstore does not implement: refused, by name, with this reason
 UNSUPPORTED = {
     "tools": "tool calls are not supported", "tool_choice": "tool calls are not supported",
@@ -145,12 +148,24 @@ class Sampling(Strict):
     top_k: int | None = Field(None, ge=0)  # vLLM's and llama.cpp's extensions, the library's settings
     min_p: float | None = Field(None, ge=0, lt=1)
     repetition_penalty: float | None = Field(None, gt=0)
+    logit_bias: dict[str, float] | None = None  # token id (a JSON key: a string) -> added to its logit
     user: str | None = None
     metadata: dict[str, str] | None = None
     store: bool | None = None
     service_tier: str | None = None
     session: str | None = None  # kvstore: the stored session to continue (or the X-Session-Id header)
     kvstore_trace: bool = False  # kvstore: each token's position, id and logits hash in the reply
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, v):
+        """The library's check (ids, range, count); the ids beyond the model's vocabulary are refused
+        where the model is known, before the session records the setting."""
+        try:
+            kvstore.SamplerSettings(logit_bias=v or {})
+        except errors.InvalidArgument as e:
+            raise ValueError(str(e).removeprefix("bad sampler setting: ")) from None
+        return v
 
     @field_validator("stop")
     @classmethod
@@ -167,9 +182,11 @@ class Sampling(Strict):
     def sampler(self) -> dict[str, float]:
         """The sampler settings the request gives (kvstore.SamplerSettings' names); a session keeps
         those it is not given."""
-        out: dict[str, float] = {name: float(v) for name in SAMPLER_FLOATS if (v := getattr(self, name)) is not None}
+        out: dict[str, Any] = {name: float(v) for name in SAMPLER_FLOATS if (v := getattr(self, name)) is not None}
         if self.top_k is not None:
             out["top_k"] = int(self.top_k)
+        if self.logit_bias is not None:  # ({}: none, in place of the session's)
+            out["logit_bias"] = {int(token): bias for token, bias in self.logit_bias.items()}
         return out
 
 

@@ -100,6 +100,21 @@ def test_new_records_checkpoint_every_and_writes_a_trace(model_dir, tmp_path):
     assert info("t")["checkpoints"] >= 1 + 10 // 3
 
 
+def test_logit_bias_forces_or_bans_tokens_and_stays_the_sessions_setting(model_dir, tmp_path):
+    trace = tmp_path / "b.jsonl"
+    kv("new", "b", "--model", model_dir, "--raw", "-p", "hello", "-n", "5", "--logit-bias", "5=100",
+       "--logit-bias", "9=-100", "--trace", str(trace), *SEEDED)
+    assert [json.loads(x)["token"] for x in trace.read_text().splitlines()] == [5] * 5
+    assert info("b")["sampler"]["logit_bias"] == [[5, 100.0], [9, -100.0]]
+    kv("continue", "b", "-n", "3", "--logit-bias", "5=0")
+    assert info("b")["sampler"]["logit_bias"] == [[5, 0.0]]  # replaced, not merged
+    for bad, why in (("5", "is not ID=BIAS"), ("x=1", "is not ID=BIAS"), ("5=101", "logit_bias maps token ids"),
+                     ("99999=1", "logit_bias names token id 99999")):
+        r = kv("continue", "b", "-n", "1", "--logit-bias", bad, code=2 if "ID=BIAS" in why else 1)
+        assert why in r.output, r.output
+    assert info("b")["sampler"]["logit_bias"] == [[5, 0.0]]
+
+
 def test_continue_checkpoint_every_is_saved_like_the_sampling_overrides(model_dir):
     """`continue --checkpoint-every N` applies to this run and stays the session's setting, as
     `--temperature` does; a later `continue` without it keeps N."""

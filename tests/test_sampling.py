@@ -4,6 +4,7 @@ penalties) do what their names say."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -13,8 +14,8 @@ from hypothesis import strategies as st
 
 from kvstore.errors import KvstoreError
 import kvstore
-from kvstore.engine.sampling import (SamplerSettings, apply_repetition_penalty, apply_reply_penalties, draw, min_p_mask,
-                                     probabilities, sample, top_k_mask, top_p_mask, uniform)
+from kvstore.engine.sampling import (SamplerSettings, apply_logit_bias, apply_repetition_penalty, apply_reply_penalties,
+                                     draw, min_p_mask, probabilities, sample, top_k_mask, top_p_mask, uniform)
 
 WARM = SamplerSettings(temperature=1.0)
 
@@ -217,16 +218,8 @@ def test_reply_penalties_count_only_the_reply_and_change_the_greedy_choice():
 def test_a_reply_with_penalties_resumed_after_an_interruption_is_the_uninterrupted_one(tmp_path, model):
     """The penalties count the reply's tokens from where it began, not from where the resumed
     generation took over, so the resumed reply draws what the uninterrupted one drew."""
-    settings = dict(temperature=0.9, presence_penalty=1.5, frequency_penalty=0.7)
     store = kvstore.open_store(tmp_path / "home")
-    with store.new("whole", model, seed=3, **settings) as s:
-        s.append_text("once upon a time")
-        whole = list(s.generate(24, stop_at_eos=False))
-    with store.new("cut", model, seed=3, **settings) as s:
-        s.append_text("once upon a time")
-        cut = s.generate(24, stop_at_eos=False)
-        first = [next(cut) for _ in range(9)]
-        cut.close()  # interrupted: the call stays open, checkpointed
+    whole, first = whole_and_cut(store, model, dict(temperature=0.9, presence_penalty=1.5, frequency_penalty=0.7))
     with store.open("cut", model) as s:
         rest = resumed_ids(s)
     with store.new("plain", model, seed=3, temperature=0.9) as s:
@@ -235,6 +228,59 @@ def test_a_reply_with_penalties_resumed_after_an_interruption_is_the_uninterrupt
     store.close()
     assert first + rest == whole
     assert plain != whole  # the penalties did something
+
+
+def test_logit_bias_adds_to_the_named_logits_after_the_penalties():
+    logits = torch.tensor([2.0, 1.9, 0.0, -1.0])
+    assert torch.equal(apply_logit_bias(logits, ((1, 0.25), (3, -5.0))), logits + torch.tensor([0, 0.25, 0, -5.0]))
+    assert torch.equal(logits, torch.tensor([2.0, 1.9, 0.0, -1.0]))  # the input is left alone
+    assert sample(logits, SamplerSettings(logit_bias={1: 0.25}), seed=0, position=3) == 1  # greedy: 2.15 > 2.0
+    ban = SamplerSettings(temperature=1.0, logit_bias={0: -100, 1: -100, 3: -100})
+    assert {sample(logits, ban, seed=0, position=p) for p in range(50)} == {2}
+    # after the penalties: the penalised token 0 (2.0 - 0.5) loses to 1 only with the bias on 1 (1.9 + 0.1)
+    pen = dict(presence_penalty=0.5)
+    assert sample(logits, SamplerSettings(**pen), seed=0, position=3, history=[0], reply_start=0) == 1
+    assert sample(logits, SamplerSettings(**pen, logit_bias={0: 0.5}), seed=0, position=3, history=[0],
+                  reply_start=0) == 0
+
+
+def test_a_session_with_logit_bias_keeps_it_checkpointed_and_resumes_exactly(tmp_path, model):
+    """The bias is a setting of the session (C2): recorded at its checkpoints, in force after a
+    reopen, so a generation cut short and resumed draws what an uninterrupted one drew; a call's
+    bias replaces the session's ({} clears it); ids outside the vocabulary are refused before any
+    setting is recorded."""
+    store = kvstore.open_store(tmp_path / "home")
+    whole, first = whole_and_cut(store, model, dict(temperature=0.9, logit_bias={"5": 3.0, 9: -100}))
+    with store.open("cut", model) as s:
+        assert s.settings.logit_bias == ((5, 3.0), (9, -100.0))
+        rest = resumed_ids(s)
+        assert first + rest == whole
+        assert 9 not in whole  # banned
+        assert list(s.generate(4, stop_at_eos=False, logit_bias={5: 100})) == [5] * 4  # all but forced
+        vocab = model.config.vocab_size
+        with pytest.raises(KvstoreError, match=f"logit_bias names token id {vocab}; this model's token ids are"):
+            list(s.generate(2, logit_bias={vocab: 1.0}))
+        assert s.settings.logit_bias == ((5, 100.0),)  # left as it was
+        list(s.generate(2, logit_bias={}))
+        assert s.settings.logit_bias == ()
+    with pytest.raises(KvstoreError, match="logit_bias names token id"):
+        store.new("too-far", model, logit_bias={10**6: 1.0})
+    assert "too-far" not in store.names()
+    store.close()
+
+
+def whole_and_cut(store, model, settings: dict) -> tuple[list[int], list[int]]:
+    """24 tokens generated after "once upon a time" by session "whole" (seed 3, `settings`), and the
+    first 9 of session "cut", made alike and interrupted there (its call left open, checkpointed)."""
+    with store.new("whole", model, seed=3, **settings) as s:
+        s.append_text("once upon a time")
+        whole = list(s.generate(24, stop_at_eos=False))
+    with store.new("cut", model, seed=3, **settings) as s:
+        s.append_text("once upon a time")
+        cut = s.generate(24, stop_at_eos=False)
+        first = [next(cut) for _ in range(9)]
+        cut.close()
+    return whole, first
 
 
 def resumed_ids(session) -> list[int]:
@@ -248,7 +294,11 @@ def resumed_ids(session) -> list[int]:
 @pytest.mark.parametrize("bad", [dict(temperature=-0.1), dict(top_k=-1), dict(top_p=0.0), dict(top_p=1.5),
                                  dict(min_p=1.0), dict(min_p=-0.1), dict(repetition_penalty=0.0),
                                  dict(repetition_window=-1), dict(top_k=2.5), dict(repetition_window=8.0),
-                                 dict(presence_penalty=2.5), dict(frequency_penalty=-2.1)])
+                                 dict(presence_penalty=2.5), dict(frequency_penalty=-2.1),
+                                 dict(logit_bias={1: 100.5}), dict(logit_bias={-1: 1.0}), dict(logit_bias={"x": 1.0}),
+                                 dict(logit_bias={1.5: 1.0}), dict(logit_bias={1: float("nan")}),
+                                 dict(logit_bias={1: True}), dict(logit_bias=[(1, 2, 3)]), dict(logit_bias=5),
+                                 dict(logit_bias={i: 1.0 for i in range(1025)})])
 def test_invalid_settings_are_refused_with_the_setting_named(bad):
     (name,) = bad
     with pytest.raises(KvstoreError, match=name):
@@ -268,6 +318,15 @@ def test_penalties_are_written_only_where_they_are_on():
     s = SamplerSettings(frequency_penalty=0.5)
     assert s.to_dict()["frequency_penalty"] == 0.5 and "presence_penalty" not in s.to_dict()
     assert SamplerSettings.from_dict(s.to_dict()) == s
+
+
+def test_logit_bias_is_written_only_where_it_is_given_and_reads_back_from_json():
+    assert "logit_bias" not in SamplerSettings(temperature=0.7).to_dict()
+    s = SamplerSettings(logit_bias={"7": -1, 2: 0.5})
+    assert s.logit_bias == ((2, 0.5), (7, -1.0))
+    written = json.loads(json.dumps(s.to_dict()))  # as a session's row and an archive's manifest hold it
+    assert written["logit_bias"] == [[2, 0.5], [7, -1.0]]
+    assert SamplerSettings.from_dict(written) == s
 
 
 def test_default_settings_are_greedy():

@@ -88,6 +88,31 @@ def test_every_sampler_setting_over_http_is_the_librarys(server, model_folder, t
     assert [t["token"] for t in plain[0]] != [t["token"] for t in reply.kvstore["trace"]]  # they did something
 
 
+def test_logit_bias_over_http_is_the_librarys_and_a_bad_one_is_a_400(server, model_folder, tmp_path):
+    """OpenAI's logit_bias (token ids as the JSON object's keys): the reply is the library's with the
+    same bias, bit for bit; +100 all but forces a token. Ids that are not whole numbers, biases beyond
+    [-100, 100] and ids past the model's vocabulary are 400s naming the setting, and the session is
+    left as it was."""
+    bias = {"5": 3.0, "9": -100}
+    reply = chat(server.client(), "biased", [{"role": "user", "content": TURNS[0]}], logit_bias=bias)
+    assert library_conversation(model_folder, tmp_path / "lib", TURNS[:1], more={"logit_bias": bias}) == \
+        [reply.kvstore["trace"]]
+    assert 9 not in [t["token"] for t in reply.kvstore["trace"]]
+    forced = chat(server.client(), None, [{"role": "user", "content": TURNS[0]}], max_tokens=6,
+                  logit_bias={"5": 100})
+    assert [t["token"] for t in forced.kvstore["trace"]] == [5] * 6
+    http = server.http()
+    before = http.get("/v1/sessions/biased").json()
+    for bad, why in (({"x": 1}, "logit_bias maps token ids"), ({"5": 101}, "logit_bias maps token ids"),
+                     ({"100000": 1}, "logit_bias names token id 100000")):
+        r = http.post("/v1/chat/completions", headers={"X-Session-Id": "biased"},
+                      json={"model": MODEL_NAME, "messages": [{"role": "user", "content": TURNS[0]}], "max_tokens": 2,
+                            "logit_bias": bad})
+        assert r.status_code == 400 and why in r.json()["error"]["message"], r.text
+        assert r.json()["error"]["code"] == "invalid_value"
+    assert http.get("/v1/sessions/biased").json() == before
+
+
 def test_a_reply_sent_back_as_the_sdk_made_it_continues_the_session(server):
     """Clients keep the reply's message as the openai package returns it, with its nulls (refusal,
     annotations, audio, function_call, tool_calls), and send it back: it is the stored message."""

@@ -70,7 +70,7 @@ def test_an_allowed_page_reads_answers_errors_and_streams(open_to_page):
     no_key = chat(open_to_page, PAGE, key=None)  # the page reads why: 401 in OpenAI's shape
     assert no_key.status_code == 401 and no_key.headers["access-control-allow-origin"] == PAGE
     assert no_key.json()["error"]["type"]
-    bad = chat(open_to_page, PAGE, n=2)
+    bad = chat(open_to_page, PAGE, n=17)  # above the limit
     assert bad.status_code == 400 and bad.headers["access-control-allow-origin"] == PAGE
     streamed = chat(open_to_page, PAGE, stream=True)
     assert streamed.status_code == 200 and streamed.headers["access-control-allow-origin"] == PAGE

@@ -4,7 +4,8 @@ The uniform number that picks the token at absolute position p is derived from b
 no RNG state exists to be saved: a resumed session draws exactly what an uninterrupted one would.
 Sampling runs on the CPU in float32: repetition penalty, then OpenAI's presence and frequency
 penalties (over the tokens the reply has generated so far, counted from where it began, so that a
-resumed reply counts what it generated before the interruption), then temperature, top-k, top-p,
+resumed reply counts what it generated before the interruption), then OpenAI's logit_bias (each
+named token's bias added to its logit), then temperature, top-k, top-p,
 min-p, then an inverse-CDF draw over the surviving tokens in id order. Temperature 0 is greedy
 (argmax, after the penalties).
 The settings themselves (`SamplerSettings`) live in the torch-free `settings` module.
@@ -37,6 +38,8 @@ def sample(logits: torch.Tensor, settings: SamplerSettings, *, seed: int, positi
             and len(history) > reply_start:
         logits = apply_reply_penalties(logits, history[reply_start:], settings.presence_penalty,
                                        settings.frequency_penalty)
+    if settings.logit_bias:
+        logits = apply_logit_bias(logits, settings.logit_bias)
     if settings.greedy:  # numpy's argmax: torch's, the first maximum (or NaN), in a tenth of its 100 µs here
         return int(logits.numpy().argmax())
     probs = probabilities(logits, settings)
@@ -59,6 +62,14 @@ def apply_reply_penalties(logits: torch.Tensor, generated: Sequence[int], presen
     ids, counts = torch.unique(torch.tensor(list(generated), dtype=torch.long), return_counts=True)
     out = logits.clone()
     out[ids] = out[ids] - (counts.to(torch.float32) * frequency + presence)
+    return out
+
+
+def apply_logit_bias(logits: torch.Tensor, bias: tuple[tuple[int, float], ...]) -> torch.Tensor:
+    """OpenAI's logit_bias: each named token's logit plus its bias (float32)."""
+    ids = torch.tensor([token for token, _ in bias], dtype=torch.long)
+    out = logits.clone()
+    out[ids] = out[ids] + torch.tensor([b for _, b in bias], dtype=torch.float32)
     return out
 
 

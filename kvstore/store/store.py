@@ -112,6 +112,7 @@ class Store:
         check_name(name)
         chunk_size = DEFAULT_CHUNK if chunk_size is None else chunk_size
         settings = SamplerSettings.from_dict(sampling)
+        settings.check_vocab(model.config.vocab_size)
         with self.db() as db, db.begin():
             claim_name(db, name, NEW_NAME_TAKEN.format(name=name))
             register_model(db, model)

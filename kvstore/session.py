@@ -199,16 +199,22 @@ class Session:
         return len(ids)
 
     def finish_prefill(self, *, progress: Progress | None = None) -> None:
-        """Feed the pending tokens (a prefill that was killed, say), a checkpoint after each chunk."""
+        """Feed the pending tokens (a prefill that was killed, say), a checkpoint after each chunk;
+        returns once the last one is durable."""
         total = len(self.seq.tokens)
         for done in self._fed_chunks():
             if progress is not None:
                 progress(done, total)
+        self.settle()
 
     def _fed_chunks(self) -> Iterator[int]:
-        """Feed the pending tokens a chunk at a time, a checkpoint after each; yields the cache length."""
+        """Feed the pending tokens a chunk at a time, a checkpoint after each, committed while the next
+        chunk computes (`checkpoint(wait=False)`; each waits for the one before); yields the cache
+        length. A reply's last one commits while its first token is computed: that token is sent
+        before the prefill is durable, as later tokens are before the checkpoints that cover them
+        (a crash then loses the prefill, and the resumed call computes it, and that token, again)."""
         for done in self.seq.prefill():
-            self.checkpoint("prefill")
+            self.checkpoint("prefill", wait=False)
             yield done
 
     # -- generation ------------------------------------------------------------------------------

@@ -87,13 +87,15 @@ def committer_held():
         held.result(WAIT_S)
 
 
-def opened(store, model) -> dict:
-    """Three sessions that read the document (each checkpointed, waited for)."""
+def opened(store, model, groups: list[int]) -> dict:
+    """Three sessions that read the document (each checkpointed, waited for); `groups` (the fixture's)
+    emptied after: their prefills' checkpoints went through the committing thread too."""
     sessions = {}
     for name in NAMES:
         s = store.new(name, model, seed=5, chunk_size=16, checkpoint_every=4, **H.SAMPLED)
         s.append_text(H.DOCUMENT)
         sessions[name] = s
+    groups.clear()
     return sessions
 
 
@@ -141,7 +143,7 @@ def reference(tmp_path: Path, model, name: str) -> tuple[list[int], list[dict]]:
 
 
 def test_checkpoints_that_queue_together_commit_in_one_transaction_and_one_sync(store, model, groups, tmp_path):
-    sessions = opened(store, model)
+    sessions = opened(store, model, groups)
     commits = []
     event.listen(store.engine, "commit", lambda conn: commits.append(1))
     counting = Counting()
@@ -165,7 +167,7 @@ def test_checkpoints_that_queue_together_commit_in_one_transaction_and_one_sync(
 
 
 def test_a_head_moved_by_another_writer_fails_only_its_own_checkpoint(store, model, groups):
-    sessions = opened(store, model)
+    sessions = opened(store, model, groups)
     before = stored(store, "b")
     with committer_held():
         for s in sessions.values():
@@ -182,7 +184,7 @@ def test_a_head_moved_by_another_writer_fails_only_its_own_checkpoint(store, mod
 
 
 def test_a_disk_full_for_one_sessions_files_fails_only_its_checkpoint(store, model, groups, tmp_path):
-    sessions = opened(store, model)
+    sessions = opened(store, model, groups)
     full_for = sessions["b"].directory
     with fileio.use(Counting(full=full_for)):
         with committer_held():
@@ -207,7 +209,7 @@ def test_an_index_locked_past_the_wait_fails_the_group_once(tmp_path, model, gro
     IndexBusy at once, none is tried again alone (each would wait as long again)."""
     monkeypatch.setattr(index, "LOCK_WAIT_S", 1)
     store = kvstore.open_store(tmp_path / "home")
-    sessions = opened(store, model)
+    sessions = opened(store, model, groups)
     alone = []
     real_commit = commit_module.commit
     monkeypatch.setattr(commit_module, "commit", lambda *a: alone.append(a) or real_commit(*a))

@@ -558,7 +558,8 @@ def publish(results: dict, text: str) -> int:
     path.write_text(text)
     print(f"published: {path.relative_to(HERE.parent)}")
     suite = json.loads((HERE / "results.json").read_text())
-    return write_report(suite, HERE, HERE.parent / "README.md", report.published_services(HERE, suite))
+    return write_report(suite, HERE, HERE.parent / "README.md", report.published_services(HERE, suite),
+                        report.published_machines(HERE, suite))
 
 
 if __name__ == "__main__":

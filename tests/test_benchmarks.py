@@ -558,6 +558,28 @@ def fake_service(restart_kv: float = 0.05, cpu: str = "AMD EPYC", flags: tuple[s
                          "openai": "1.0", "kvstore": "abc1234"}}
 
 
+def test_publishing_a_service_run_rebuilds_the_report_with_every_machine_kind(tmp_path, monkeypatch):
+    """`python -m benchmarks.serve --publish` writes its per-CPU file and rebuilds REPORT.md and the
+    README from the committed results: the same report a full run would write, the other machine
+    kinds' table included (a rebuild without it once left REPORT.md out of step with the results)."""
+    root = Path(__file__).resolve().parent.parent
+    bench = tmp_path / "benchmarks"
+    (bench / "results").mkdir(parents=True)
+    (bench / "results.json").write_text((root / "benchmarks" / "results.json").read_text(encoding="utf-8"))
+    for path in report.machines_dir(root / "benchmarks").glob("*.json"):
+        (bench / "results" / path.name).write_text(path.read_text(encoding="utf-8"))
+    (tmp_path / "README.md").write_text((root / "README.md").read_text(encoding="utf-8"))
+    monkeypatch.setattr(serve, "HERE", bench)
+    doc = fake_service()
+    assert serve.publish(doc, json.dumps(doc)) == 0
+    suite = json.loads((bench / "results.json").read_text(encoding="utf-8"))
+    machines = report.published_machines(bench, suite)
+    assert len(machines) > 1
+    services = report.published_services(bench, suite)
+    assert doc["started"] in {d["started"] for d in services}
+    assert (bench / "REPORT.md").read_text(encoding="utf-8") == report.markdown(suite, services, machines)
+
+
 def test_percentiles_interpolate_between_ranks():
     assert serve.percentile([3.0, 1.0, 2.0], 50) == 2.0
     assert serve.percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5

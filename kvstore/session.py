@@ -221,7 +221,8 @@ class Session:
     def generate(self, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, *, trace=None, stop: tuple[str, ...] = (),
                  stop_at_eos: bool = True, **sampling) -> Iterator[int]:
         """Sample up to max_new_tokens token ids (stops at EOS or a stop string); checkpoints as it goes."""
-        call = self._start_call("raw", max_new_tokens, stop, sampling, stop_at_eos=stop_at_eos)
+        settings = self._call_settings(max_new_tokens, sampling)
+        call = self._start_call("raw", max_new_tokens, stop, settings, stop_at_eos=stop_at_eos)
         for event in self._run(call, trace):
             yield event.token
 
@@ -230,13 +231,14 @@ class Session:
         """Add a user turn through the chat template and stream the reply as text pieces (it ends
         at EOS, at a stop string or after max_new_tokens)."""
         self._check_open()
+        settings = self._call_settings(max_new_tokens, sampling)
         self._seal_call()
         history = self._history()
         ids = turn_ids(self.model.tokenizer, history, {"role": "user", "content": message}, self.seq.tokens)
         start = len(self.seq.tokens)
         self.seq.add(ids)
         self._set_message(len(self.messages), "user", message, start, start + len(ids))
-        yield from self._reply(max_new_tokens, stop, sampling, trace)
+        yield from self._reply(max_new_tokens, stop, settings, trace)
 
     def add_message(self, role: str, content: str) -> int:
         """Add a message as context, through the chat template, without answering it (an assistant
@@ -260,6 +262,7 @@ class Session:
         prefix of exactly those prompt ids (a fork of a session that read the same beginning: its
         KV is reused, the rest computed); its messages become `messages` and the reply."""
         self._check_open()
+        settings = self._call_settings(max_new_tokens, sampling)
         self._seal_call()
         tok = self.model.tokenizer
         ids = tok.apply_chat_template(messages, add_generation_prompt=True)
@@ -277,16 +280,16 @@ class Session:
             self._set_message(ordinal, m["role"], m["content"], start, end)
             start = end
         self.seq.add(ids[have:])
-        yield from self._reply(max_new_tokens, stop, sampling, trace)
+        yield from self._reply(max_new_tokens, stop, settings, trace)
 
     def _history(self) -> list[dict[str, str]]:
         return [{"role": m["role"], "content": m["text"]} for m in self.messages]
 
-    def _reply(self, max_new_tokens: int, stop, sampling: dict[str, Any], trace) -> Iterator[str]:
+    def _reply(self, max_new_tokens: int, stop, settings: SamplerSettings, trace) -> Iterator[str]:
         reply = len(self.messages)
         self._set_message(reply, "assistant", "", len(self.seq.tokens), len(self.seq.tokens))
         # the call is recorded with the prompt, before its prefill: a turn killed anywhere can be resumed
-        call = self._start_call("chat", max_new_tokens, stop, sampling, feed=False, message=reply)
+        call = self._start_call("chat", max_new_tokens, stop, settings, feed=False, message=reply)
         yield from self._prefill_steps()
         yield from self._pieces(call, trace)
 
@@ -326,17 +329,23 @@ class Session:
         if tail := decoder.flush():
             yield tail
 
-    def _start_call(self, kind: str, max_new_tokens: int, stop, sampling: dict[str, Any], *, feed: bool = True,
-                    **extra) -> dict[str, Any]:
-        self._check_open()
+    def _call_settings(self, max_new_tokens: int, sampling: dict[str, Any]) -> SamplerSettings:
+        """A call's sampler settings (the session's, with the call's `sampling` over them), checked
+        with its max_new_tokens against the model before the call changes anything: a bad one is an
+        InvalidArgument that leaves the session as it was (no turn added, no call recorded)."""
         if max_new_tokens < 0:
             raise InvalidArgument(f"max_new_tokens must be >= 0 (got {max_new_tokens})")
+        settings = dataclasses.replace(self.settings, **sampling) if sampling else self.settings
+        settings.check_vocab(self.model.config.vocab_size)
+        return settings
+
+    def _start_call(self, kind: str, max_new_tokens: int, stop, settings: SamplerSettings, *, feed: bool = True,
+                    **extra) -> dict[str, Any]:
+        """Record a call (`_call_settings` checked its settings) and, with `feed`, prefill what is pending."""
+        self._check_open()
         if kind != "chat":
             self._seal_call()
-        if sampling:  # checked before the call records it
-            settings = dataclasses.replace(self.settings, **sampling)
-            settings.check_vocab(self.model.config.vocab_size)
-            self.settings = settings
+        self.settings = settings
         self.active_call = {"kind": kind, "start": len(self.seq.tokens), "max_new_tokens": int(max_new_tokens),
                             "stop": list(stop), **extra}
         self._dirty = True

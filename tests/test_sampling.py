@@ -247,8 +247,8 @@ def test_logit_bias_adds_to_the_named_logits_after_the_penalties():
 def test_a_session_with_logit_bias_keeps_it_checkpointed_and_resumes_exactly(tmp_path, model):
     """The bias is a setting of the session (C2): recorded at its checkpoints, in force after a
     reopen, so a generation cut short and resumed draws what an uninterrupted one drew; a call's
-    bias replaces the session's ({} clears it); ids outside the vocabulary are refused before any
-    setting is recorded."""
+    bias replaces the session's ({} clears it); ids outside the vocabulary (and any bad setting of
+    a call) are refused before the call adds its turn or records anything."""
     store = kvstore.open_store(tmp_path / "home")
     whole, first = whole_and_cut(store, model, dict(temperature=0.9, logit_bias={"5": 3.0, 9: -100}))
     with store.open("cut", model) as s:
@@ -261,6 +261,11 @@ def test_a_session_with_logit_bias_keeps_it_checkpointed_and_resumes_exactly(tmp
         with pytest.raises(KvstoreError, match=f"logit_bias names token id {vocab}; this model's token ids are"):
             list(s.generate(2, logit_bias={vocab: 1.0}))
         assert s.settings.logit_bias == ((5, 100.0),)  # left as it was
+        tokens, messages = list(s.tokens), [dict(m) for m in s.messages]
+        for bad in (dict(logit_bias={vocab: 1.0}), dict(temperature=-1.0), dict(max_new_tokens=-1)):
+            with pytest.raises(KvstoreError):  # refused before the turn is added
+                "".join(s.chat("and then?", **{"max_new_tokens": 2, **bad}))
+            assert s.tokens == tokens and [dict(m) for m in s.messages] == messages, bad
         list(s.generate(2, logit_bias={}))
         assert s.settings.logit_bias == ()
     with pytest.raises(KvstoreError, match="logit_bias names token id"):

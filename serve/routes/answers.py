@@ -76,12 +76,9 @@ async def answer(request: Request, body, who: Tenant, x_session_id: str | None, 
                                 "for n choices (each runs in a session of its own), or fork the session for each "
                                 "one (POST /v1/sessions/{name}/fork)", param="n", code="invalid_value")
         return await answer_choices(request, body, who, common, request_id, reply_class=reply_class, route=route)
-    spec: dict[str, Any] = {**common, "session": who.stored(public), "seed": body.seed,
-                            "create": svc.new_session_settings(body.seed, body.sampler())}
+    spec = session_job(svc, who, common, public, body.seed, from_prefix=own and not resume)
     if resume:
         spec.update(after=resume.after, reply_start=resume.start)
-    elif own and svc.config.prefix_cache:  # from the longest stored prefix of its prompt (C10)
-        spec["prefix"] = {"scope": who.prefix}
     run = Run(spec, who, public, id=request_id, route=route)
     events = svc.run(run)
     try:
@@ -102,6 +99,18 @@ async def answer(request: Request, body, who: Tenant, x_session_id: str | None, 
     return JSONResponse(reply.whole())
 
 
+def session_job(svc, who: Tenant, common: dict[str, Any], name: str, seed: int | None, *,
+                from_prefix: bool) -> dict[str, Any]:
+    """`common` (the job without its session) on the tenant's session `name`, made with `seed` where
+    it is new; `from_prefix` (a session of the request's own): from the longest stored prefix of its
+    prompt (C10), where the prefix cache is on."""
+    spec = {**common, "session": who.stored(name), "seed": seed,
+            "create": svc.new_session_settings(seed, common["sampling"])}
+    if from_prefix and svc.config.prefix_cache:
+        spec["prefix"] = {"scope": who.prefix}
+    return spec
+
+
 async def answer_choices(request: Request, body, who: Tenant, common: dict[str, Any], request_id: str, *,
                          reply_class: type["Reply"], route: str):
     """`answer` for n > 1 choices (see the module's comment): `common` is the job without its
@@ -111,11 +120,8 @@ async def answer_choices(request: Request, body, who: Tenant, common: dict[str, 
     for i in range(body.n):
         name = f"{reply_class.prefix}-{request_id}" + (f"-{i}" if i else "")
         seed = None if body.seed is None else (body.seed + i) % 2**63
-        spec = {**common, "session": who.stored(name), "seed": seed,
-                "create": svc.new_session_settings(seed, body.sampler())}
-        if svc.config.prefix_cache:
-            spec["prefix"] = {"scope": who.prefix}
-        runs.append(Run(spec, who, name, id=request_id, route=route))
+        runs.append(Run(session_job(svc, who, common, name, seed, from_prefix=True), who, name, id=request_id,
+                        route=route))
     streams = [svc.run(run) for run in runs]
     try:  # the first choice's prompt read (and stored, chunk by chunk), then the others: they fork it
         firsts = [await first_events(streams[0])]

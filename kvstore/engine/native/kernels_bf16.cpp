@@ -56,6 +56,9 @@ std::string bf16_isa(std::optional<std::string> set) {
   return before;
 }
 
+// the row steps of the path the ops take now (bf16_isa)
+const Steps& path_steps() { return steps(avx2_path.load()); }
+
 // t is a bfloat16 CPU tensor with `dims` dimensions (0: any number but none)
 void check(const at::Tensor& t, const char* op, const char* what, int64_t dims = 0) {
   const bool shaped = dims > 0 ? t.dim() == dims : t.dim() >= 1;
@@ -73,7 +76,7 @@ void products(const at::Tensor& w, const at::Tensor& x, int64_t R, const uint16_
   const uint16_t *W = bits(w), *X = bits(x);
   auto* Y = static_cast<c10::BFloat16*>(y.data_ptr());
   const int64_t blocks = (rows + kRows - 1) / kRows;
-  const Steps& st = steps(avx2_path.load());
+  const Steps& st = path_steps();
   at::parallel_for(0, blocks, kGrain, [&](int64_t begin, int64_t end) {
     float dots[kRows];
     for (int64_t b = begin; b < end; b++) {
@@ -140,7 +143,7 @@ at::Tensor rms_norm_bf16(const at::Tensor& x_any, const at::Tensor& w_any, doubl
   at::Tensor out = at::empty(x.sizes(), x.options());
   const uint16_t *X = bits(x), *W = bits(w);
   uint16_t* O = bits_out(out);
-  const Steps& st = steps(avx2_path.load());
+  const Steps& st = path_steps();
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; r++) st.rms_norm_row(X + r * H, W, O + r * H, H, float(eps), 0, H);
   });
@@ -158,7 +161,7 @@ at::Tensor swiglu_bf16(const at::Tensor& gu_any) {
   at::Tensor out = at::empty(shape, gu.options());
   const uint16_t* G = bits(gu);
   uint16_t* O = bits_out(out);
-  const Steps& st = steps(avx2_path.load());
+  const Steps& st = path_steps();
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; r++) st.swiglu_row(G + r * 2 * F, G + r * 2 * F + F, O + r * F, F);
   });
@@ -179,7 +182,7 @@ at::Tensor& rope_bf16_(at::Tensor& x, const at::Tensor& cos_any, const at::Tenso
               hd);
   uint16_t* X = bits_out(x);
   const uint16_t *C = bits(cos), *S = bits(sin);
-  const Steps& path = steps(avx2_path.load());  // (st is the token stride here)
+  const Steps& path = path_steps();  // (st is the token stride here)
   at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; t++)
       for (int64_t h = 0; h < heads; h++) path.rope_head(X + t * st + h * sh, C + t * hd, S + t * hd, hd);

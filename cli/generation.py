@@ -10,9 +10,10 @@ token or prefill chunk); the session checkpoints and the command exits with 128 
 
 from __future__ import annotations
 
+import json
 import signal
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Callable, Iterator
 
@@ -40,6 +41,9 @@ class Options:
     presence_penalty: float | None
     frequency_penalty: float | None
     logit_bias: dict[int, float] | None
+    json_object: bool
+    json_schema: IO[str] | None
+    regex: str | None
     checkpoint_every: int | None
     device: str
     dtype: str | None
@@ -47,10 +51,17 @@ class Options:
     threads: int | None
     trace: Path | None
     verbose: bool
+    fmt: dict[str, Any] | None = field(default=None, init=False)  # --json, --json-schema or --regex (read_format)
 
     @property
     def sampling(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in (*SAMPLING, "logit_bias") if getattr(self, k) is not None}
+
+    @property
+    def call(self) -> dict[str, Any]:
+        """What a generating call takes besides its length and trace: the sampler settings and the
+        response format (`read_format`'s)."""
+        return {**self.sampling, **({"response_format": self.fmt} if self.fmt is not None else {})}
 
     def stat(self, message: str) -> None:
         if self.verbose:
@@ -86,6 +97,12 @@ def generation_options(continuing: bool) -> Callable:
         o("--logit-bias", metavar="ID=BIAS", multiple=True, callback=logit_bias,
           help="Add BIAS (-100 to 100) to token ID's logit before sampling (OpenAI's logit_bias; repeat for more "
                "tokens; 100 or -100 all but forces or bans it). On `continue`, replaces the session's."),
+        o("--json", "json_object", is_flag=True,
+          help="The reply is a JSON object: only tokens that keep it valid JSON are sampled, and it ends when the "
+               "object closes (OpenAI's response_format json_object)."),
+        o("--json-schema", type=click.File("r", encoding="utf-8"), metavar="FILE",
+          help="The reply is JSON that the JSON schema in FILE accepts (OpenAI's response_format json_schema)."),
+        o("--regex", metavar="PATTERN", help="The reply matches the regular expression PATTERN, whole."),
         o("--checkpoint-every", type=click.IntRange(min=1),
           help=f"Checkpoint every N generated tokens [default: {every_default}]."),
         o("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
@@ -143,6 +160,7 @@ def new(app, session: str, system: str | None, seed: int, chunk_size: int | None
     """Create a session, read the input into it and stream the reply."""
     o = Options(**kwargs)
     text = read_input(o)
+    o.fmt = read_format(o)
     if system is not None and o.raw:
         raise click.UsageError("--system belongs to chat turns; with --raw, put it in the text")
     store = app.store
@@ -177,6 +195,7 @@ def continue_(app, session: str, **kwargs):
     """Add a turn; with no input, finish an interrupted reply or go on."""
     o = Options(**kwargs)
     text = read_input(o)
+    o.fmt = read_format(o)
     store = app.store
     info = store.info(session)
     store.check_writable(session)  # at once, before a model is loaded
@@ -195,6 +214,28 @@ def continue_(app, session: str, **kwargs):
 
 
 # -- the steps ---------------------------------------------------------------------------------------
+def read_format(o: Options) -> dict[str, Any] | None:
+    """--json, --json-schema or --regex as the library's response_format (None: free text), checked
+    before anything is loaded or created."""
+    given = [name for name, on in (("--json", o.json_object), ("--json-schema", o.json_schema is not None),
+                                    ("--regex", o.regex is not None)) if on]
+    if len(given) > 1:
+        raise click.UsageError(f"give one of {' and '.join(given)}: a reply has one format")
+    fmt = None
+    if o.json_object:
+        fmt = {"type": "json_object"}
+    elif o.regex is not None:
+        fmt = {"type": "regex", "pattern": o.regex}
+    elif o.json_schema is not None:
+        try:
+            fmt = {"type": "json_schema", "schema": json.loads(o.json_schema.read())}
+        except ValueError as e:
+            raise click.BadParameter(f"{o.json_schema.name} is not JSON text ({e})", param_hint="--json-schema") from None
+    if fmt is not None:
+        kvstore.check_response_format(fmt)
+    return fmt
+
+
 def read_input(o: Options) -> str | None:
     if o.prompt is not None and o.file is not None:
         raise click.UsageError("give --prompt or --file, not both")
@@ -231,21 +272,21 @@ def first_turn_tokens(model, text: str, system: str | None, raw: bool) -> int:
 
 def run_turn(s, text: str | None, o: Options, stops: "Stops") -> None:
     if text is None and s.active_call:
-        if o.sampling or o.max_new_tokens != kvstore.DEFAULT_MAX_NEW_TOKENS:
-            note("finishing the interrupted generation with its own settings; sampling options are ignored")
+        if o.call or o.max_new_tokens != kvstore.DEFAULT_MAX_NEW_TOKENS:
+            note("finishing the interrupted generation with its own settings; sampling and format options are ignored")
         pieces = s.resume(trace=o.trace)
     elif text is None:
         if not s.tokens:
             raise click.ClickException(f"session {s.name!r} is empty: give it input (--prompt, --file or stdin)")
-        pieces = decode(s, s.generate(o.max_new_tokens, trace=o.trace, **o.sampling), stops)
+        pieces = decode(s, s.generate(o.max_new_tokens, trace=o.trace, **o.call), stops)
     elif o.raw:
         timer = Timer()
         with prefill_bar(s.n_cached, on_chunk=stops.check) as bar:
             added = s.append_text(text, progress=bar)
         o.stat(f"prefill: {added:,} tokens in {timer.elapsed:.2f} s ({rate(added, timer.elapsed)})")
-        pieces = decode(s, s.generate(o.max_new_tokens, trace=o.trace, **o.sampling), stops)
+        pieces = decode(s, s.generate(o.max_new_tokens, trace=o.trace, **o.call), stops)
     else:
-        pieces = s.chat(text.strip(), o.max_new_tokens, trace=o.trace, **o.sampling)
+        pieces = s.chat(text.strip(), o.max_new_tokens, trace=o.trace, **o.call)
     out, meter = Stream(), Meter(s, o.verbose)
     try:
         out.pump(meter.wrap(pieces), stops.check)

@@ -7,7 +7,8 @@ The public API, everything the front ends (`kvstore_cli`, the coming service) us
 - `load_model(spec) -> Model`, `load_tokenizer(spec)`, `pull(alias)`, `models_dir()`;
 - the engine pieces for those who drive generation themselves: `Sequence`, `TokenEvent`,
   `SamplerSettings`, `KVCache`, `StreamDecoder`; `BlockPool` and `PagedCache` (many sequences'
-  KV in one paged memory budget, as `kvstore serve` keeps them);
+  KV in one paged memory budget, as `kvstore serve` keeps them); `check_response_format(value)`
+  (a call's `response_format`, checked: its canonical JSON text);
 - the defaults: DEFAULT_MODEL, DEFAULT_DTYPE, DTYPE_NAMES, WEIGHT_FORMATS, DEFAULT_CHUNK, DEFAULT_MAX_NEW_TOKENS,
   DEFAULT_CHECKPOINT_EVERY;
 - `errors` (every error derives from `errors.KvstoreError`), `native_will_build()`.
@@ -30,7 +31,7 @@ _WHERE = {
     "models_dir": "engine.pull", "KVCache": "engine.cache", "Sequence": "engine.sequence",
     "TokenEvent": "engine.sequence", "SamplerSettings": "engine.settings", "StreamDecoder": "engine.tokenizer",
     "BlockPool": "engine.paged", "PagedCache": "engine.paged",
-    "native_will_build": "engine.native",
+    "native_will_build": "engine.native", "check_response_format": "engine.grammar",
     **{name: "defaults" for name in ("DEFAULT_MODEL", "DEFAULT_DTYPE", "DTYPE_NAMES", "WEIGHT_FORMATS", "DEFAULT_CHUNK",
                                      "DEFAULT_MAX_NEW_TOKENS", "DEFAULT_CHECKPOINT_EVERY")},
 }

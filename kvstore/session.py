@@ -27,6 +27,7 @@ from typing import Any, Callable, Iterator
 
 from .commit import Change, Head, commit_later, commit_now, hidden_bytes
 from .defaults import DEFAULT_MAX_NEW_TOKENS
+from .engine import grammar
 from .engine.chat import turn_ids
 from .engine.sampling import SamplerSettings
 from .engine.sequence import Sequence, TokenEvent
@@ -219,18 +220,22 @@ class Session:
 
     # -- generation ------------------------------------------------------------------------------
     def generate(self, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, *, trace=None, stop: tuple[str, ...] = (),
-                 stop_at_eos: bool = True, **sampling) -> Iterator[int]:
-        """Sample up to max_new_tokens token ids (stops at EOS or a stop string); checkpoints as it goes."""
+                 stop_at_eos: bool = True, response_format=None, **sampling) -> Iterator[int]:
+        """Sample up to max_new_tokens token ids (stops at EOS or a stop string); checkpoints as it goes.
+        `response_format`: what the generated text must be (`engine.grammar`: JSON, a JSON schema's,
+        a regular expression's match); it ends once complete."""
+        fmt = grammar.canonical(response_format)
         settings = self._call_settings(max_new_tokens, sampling)
-        call = self._start_call("raw", max_new_tokens, stop, settings, stop_at_eos=stop_at_eos)
+        call = self._start_call("raw", max_new_tokens, stop, settings, stop_at_eos=stop_at_eos, **_format(fmt))
         for event in self._run(call, trace):
             yield event.token
 
     def chat(self, message: str, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, *, trace=None,
-             stop: tuple[str, ...] = (), **sampling) -> Iterator[str]:
+             stop: tuple[str, ...] = (), response_format=None, **sampling) -> Iterator[str]:
         """Add a user turn through the chat template and stream the reply as text pieces (it ends
-        at EOS, at a stop string or after max_new_tokens)."""
+        at EOS, at a stop string or after max_new_tokens; `response_format`: as in `generate`)."""
         self._check_open()
+        fmt = grammar.canonical(response_format)
         settings = self._call_settings(max_new_tokens, sampling)
         self._seal_call()
         history = self._history()
@@ -238,7 +243,7 @@ class Session:
         start = len(self.seq.tokens)
         self.seq.add(ids)
         self._set_message(len(self.messages), "user", message, start, start + len(ids))
-        yield from self._reply(max_new_tokens, stop, settings, trace)
+        yield from self._reply(max_new_tokens, stop, settings, trace, fmt)
 
     def add_message(self, role: str, content: str) -> int:
         """Add a message as context, through the chat template, without answering it (an assistant
@@ -255,13 +260,15 @@ class Session:
         return len(ids)
 
     def respond(self, messages: list[dict[str, str]], max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, *, trace=None,
-                stop: tuple[str, ...] = (), **sampling) -> Iterator[str]:
+                stop: tuple[str, ...] = (), response_format=None, **sampling) -> Iterator[str]:
         """Answer a whole conversation (`{"role", "content"}` dicts, as an OpenAI request sends it)
         as one prompt: the chat template's rendering of all of it, prefilled in chunks at absolute
         positions. This is the cold run of such a request. The session must hold nothing yet, or a
         prefix of exactly those prompt ids (a fork of a session that read the same beginning: its
-        KV is reused, the rest computed); its messages become `messages` and the reply."""
+        KV is reused, the rest computed); its messages become `messages` and the reply
+        (`response_format`: as in `generate`)."""
         self._check_open()
+        fmt = grammar.canonical(response_format)
         settings = self._call_settings(max_new_tokens, sampling)
         self._seal_call()
         tok = self.model.tokenizer
@@ -280,16 +287,16 @@ class Session:
             self._set_message(ordinal, m["role"], m["content"], start, end)
             start = end
         self.seq.add(ids[have:])
-        yield from self._reply(max_new_tokens, stop, settings, trace)
+        yield from self._reply(max_new_tokens, stop, settings, trace, fmt)
 
     def _history(self) -> list[dict[str, str]]:
         return [{"role": m["role"], "content": m["text"]} for m in self.messages]
 
-    def _reply(self, max_new_tokens: int, stop, settings: SamplerSettings, trace) -> Iterator[str]:
+    def _reply(self, max_new_tokens: int, stop, settings: SamplerSettings, trace, fmt: str) -> Iterator[str]:
         reply = len(self.messages)
         self._set_message(reply, "assistant", "", len(self.seq.tokens), len(self.seq.tokens))
         # the call is recorded with the prompt, before its prefill: a turn killed anywhere can be resumed
-        call = self._start_call("chat", max_new_tokens, stop, settings, feed=False, message=reply)
+        call = self._start_call("chat", max_new_tokens, stop, settings, feed=False, message=reply, **_format(fmt))
         yield from self._prefill_steps()
         yield from self._pieces(call, trace)
 
@@ -368,11 +375,15 @@ class Session:
                 self.checkpoint("auto", wait=False)  # committed while the next tokens decode
                 since = 0
 
+        constraint = None
+        if call.get("format"):  # where the reply has got to (a resumed call's tokens so far, replayed)
+            constraint = grammar.Constraint(tok, self.model.config.vocab_size, call["format"],
+                                            self.seq.tokens[call["start"]:])
         try:
             for event in self.seq.generate(self.settings, seed=self.seed, max_new_tokens=max(remaining, 0),
                                            reply_start=call["start"],
                                            stop_ids=tok.eos_ids if call.get("stop_at_eos", True) else (),
-                                           should_stop=should_stop, fed=fed):
+                                           should_stop=should_stop, fed=fed, constraint=constraint):
                 writer.write(event.position, event.token, event.logits)
                 yield event
                 since += 1
@@ -459,3 +470,8 @@ def _close_open_sessions() -> None:
         except Exception as e:  # noqa: BLE001 -- one line, not a traceback at exit
             print(f"kvstore: session {s.name!r} could not be checkpointed at exit ({e}); its last "
                   "checkpoint stands", file=sys.stderr)
+
+
+def _format(fmt: str) -> dict[str, str]:
+    """A call record's response format (`grammar.canonical`'s text), where the call has one."""
+    return {"format": fmt} if fmt else {}

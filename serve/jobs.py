@@ -89,7 +89,8 @@ def chat(engine, job: dict[str, Any]) -> Iterator[dict[str, Any]]:
     yield {"event": "start", "context": how, **restore, **lookup}
     sampling = job.get("sampling") or {}
     tokens = Tokens.for_job(job, engine.model.tokenizer)
-    args = dict(max_new_tokens=job["max_tokens"], trace=tokens, stop=tuple(job.get("stop") or ()), **sampling)
+    args = dict(max_new_tokens=job["max_tokens"], trace=tokens, stop=tuple(job.get("stop") or ()),
+                response_format=job.get("format"), **sampling)
     if p.kind == "continue":
         pieces = converse(session, p.new, **args)
     else:
@@ -141,7 +142,8 @@ def complete(engine, job: dict[str, Any]) -> Iterator[dict[str, Any]]:
         else:
             session.append_text(text)
     tokens = Tokens.for_job(job, engine.model.tokenizer)
-    ids = session.generate(job["max_tokens"], trace=tokens, stop=tuple(job.get("stop") or ()), **(job.get("sampling") or {}))
+    ids = session.generate(job["max_tokens"], trace=tokens, stop=tuple(job.get("stop") or ()),
+                           response_format=job.get("format"), **(job.get("sampling") or {}))
     yield from reply(engine, session, session.text(ids), tokens, job, cached)
 
 

@@ -25,7 +25,7 @@ UNSUPPORTED = {
     "functions": "function calls are not supported", "function_call": "function calls are not supported",
     "parallel_tool_calls": "tool calls are not supported", "tool_calls": "tool calls are not supported",
     "logprobs": "logprobs are not supported here", "top_logprobs": "logprobs are not supported here",
-    "logit_bias": "logit_bias is not supported", "response_format": "structured output is not supported",
+    "logit_bias": "logit_bias is not supported",
     "audio": "audio is not supported", "modalities": "only text is supported",
     "prediction": "predicted outputs are not supported", "web_search_options": "web search is not supported",
     "best_of": "best_of is not supported", "suffix": "suffix is not supported",
@@ -37,7 +37,6 @@ UNSUPPORTED = {
 # values of those fields that ask for what this server does anyway (plain text, no tools, no truncation:
 # a prompt beyond the context is refused), as SDKs send them by default: accepted as if not sent
 ASKS_FOR_THE_DEFAULT = {
-    "response_format": lambda v: v == {"type": "text"},
     "text": lambda v: isinstance(v, dict) and v.get("format") in (None, {"type": "text"})
     and set(v) <= {"format", "verbosity"} and v.get("verbosity") is None,
     "modalities": lambda v: v == ["text"],
@@ -127,6 +126,45 @@ class Message(Strict):
         return {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
 
 
+class JsonSchema(Strict):
+    """OpenAI's response_format json_schema: the schema, with its name and description (which only
+    label it here). Generation is always held to the schema (`strict` asks for nothing more)."""
+    name: str | None = Field(None, pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")  # none: any JSON object
+    strict: bool | None = None
+
+
+class ResponseFormat(Strict):
+    """OpenAI's response_format: text, json_object or json_schema; and kvstore's regex (`pattern`: the
+    whole reply matches it). Checked here as the library checks it (`kvstore.check_response_format`)."""
+    type: Literal["text", "json_object", "json_schema", "regex"]
+    json_schema: JsonSchema | None = None
+    pattern: str | None = None
+
+    @model_validator(mode="after")
+    def _complete(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema goes with type json_schema (and that type needs it)")
+        if (self.type == "regex") != (self.pattern is not None):
+            raise ValueError("pattern goes with type regex (and that type needs it)")
+        try:
+            kvstore.check_response_format(self.library())
+        except errors.InvalidArgument as e:
+            raise ValueError(str(e).removeprefix("bad response_format").lstrip(" :")) from None
+        return self
+
+    def library(self) -> dict[str, Any] | None:
+        """The library's response_format (None: free text)."""
+        if self.type == "text":
+            return None
+        if self.type == "regex":
+            return {"type": "regex", "pattern": self.pattern}
+        if self.type == "json_schema" and self.json_schema.schema_ is not None:
+            return {"type": "json_schema", "schema": self.json_schema.schema_}
+        return {"type": "json_object"}
+
+
 class StreamOptions(Strict):
     include_usage: bool = False
     include_obfuscation: bool | None = None  # the openai client may send it; no effect here
@@ -149,6 +187,7 @@ class Sampling(Strict):
     min_p: float | None = Field(None, ge=0, lt=1)
     repetition_penalty: float | None = Field(None, gt=0)
     logit_bias: dict[str, float] | None = None  # token id (a JSON key: a string) -> added to its logit
+    response_format: ResponseFormat | None = None  # this request's reply only (a session does not keep it)
     user: str | None = None
     metadata: dict[str, str] | None = None
     store: bool | None = None
@@ -178,6 +217,10 @@ class Sampling(Strict):
     def alternatives(self) -> int | None:
         """None, or how many likeliest tokens each generated token's logprobs list (0: its own only)."""
         return None
+
+    def format(self) -> dict[str, Any] | None:
+        """The reply's response format as the library takes it (None: free text)."""
+        return self.response_format.library() if self.response_format is not None else None
 
     def sampler(self) -> dict[str, float]:
         """The sampler settings the request gives (kvstore.SamplerSettings' names); a session keeps

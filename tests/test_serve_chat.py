@@ -11,6 +11,7 @@ client's whole reply equals an uninterrupted one.
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 import pytest
@@ -44,8 +45,9 @@ def chat(client, session: str | None, messages: list[dict], max_tokens: int = 24
 
 
 def library_conversation(folder: str, home, turns: list[str], max_tokens: int = 24,
-                         chunk: int = CHUNK, more: dict | None = None) -> list[list[dict]]:
-    """The same conversation through the library: trace lines per turn (`more`: other sampler settings)."""
+                         chunk: int = CHUNK, more: dict | None = None, fmt: dict | None = None) -> list[list[dict]]:
+    """The same conversation through the library: trace lines per turn (`more`: other sampler settings,
+    `fmt`: every turn's response format)."""
     model = kvstore.load_model(folder)
     store = kvstore.open_store(home)
     traces = []
@@ -53,7 +55,7 @@ def library_conversation(folder: str, home, turns: list[str], max_tokens: int = 
                                     temperature=SAMPLING["temperature"], top_p=SAMPLING["top_p"], **(more or {})) as s:
         for i, turn in enumerate(turns):
             path = home / f"turn-{i}.jsonl"
-            "".join(s.chat(turn, max_tokens, trace=str(path)))
+            "".join(s.chat(turn, max_tokens, trace=str(path), response_format=fmt))
             traces.append([json.loads(line) for line in path.read_text().splitlines()])
     store.close()
     return traces
@@ -111,6 +113,48 @@ def test_logit_bias_over_http_is_the_librarys_and_a_bad_one_is_a_400(server, mod
         assert r.status_code == 400 and why in r.json()["error"]["message"], r.text
         assert r.json()["error"]["code"] == "invalid_value"
     assert http.get("/v1/sessions/biased").json() == before
+
+
+PHONE = {"type": "regex", "pattern": "[0-9]{3}-[0-9]{4}"}
+ANSWER_SCHEMA = {"type": "object", "properties": {"answer": {"enum": ["yes", "no", "maybe"]}}, "required": ["answer"],
+                 "additionalProperties": False, "x-guidance": {"whitespace_flexible": False}}
+
+
+def test_response_format_over_http_is_the_librarys_and_a_bad_one_is_a_400(server, model_folder, tmp_path):
+    """OpenAI's response_format (json_schema, json_object, text) and kvstore's regex: the reply is
+    what the format accepts, and the library's with the same format, bit for bit. A bad one is a 400
+    naming response_format, and the session is left as it was."""
+    client = server.client()
+    shaped = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER_SCHEMA, "strict": True}}
+    reply = chat(client, "shaped", [{"role": "user", "content": TURNS[0]}], response_format=shaped)
+    assert json.loads(reply.choices[0].message.content)["answer"] in ("yes", "no", "maybe")
+    assert reply.choices[0].finish_reason == "stop"
+    lib = library_conversation(model_folder, tmp_path / "lib", TURNS[:1], fmt={"type": "json_schema",
+                                                                              "schema": ANSWER_SCHEMA})
+    assert lib == [reply.kvstore["trace"]]
+    phone = chat(client, None, [{"role": "user", "content": TURNS[0]}], extra_body_more={"response_format": PHONE})
+    assert re.fullmatch(PHONE["pattern"], phone.choices[0].message.content)
+    assert library_conversation(model_folder, tmp_path / "phone", TURNS[:1], fmt=PHONE) == [phone.kvstore["trace"]]
+    loose = chat(client, None, [{"role": "user", "content": TURNS[0]}], max_tokens=6,
+                 response_format={"type": "json_object"})
+    assert loose.choices[0].message.content.startswith("{")  # cut by max_tokens: the start of an object
+    text = chat(client, None, [{"role": "user", "content": TURNS[0]}], response_format={"type": "text"})
+    free = chat(client, None, [{"role": "user", "content": TURNS[0]}])
+    assert text.kvstore["trace"] == free.kvstore["trace"]
+    http = server.http()
+    before = http.get("/v1/sessions/shaped").json()
+    for bad, why in (({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}, "Invalid type"),
+                     ({"type": "regex", "pattern": "a("}, "unclosed group"), ({"type": "json_schema"}, "json_schema"),
+                     ({"type": "yaml"}, "type"), ({"type": "json_object", "schema": {}}, "schema")):
+        r = http.post("/v1/chat/completions", headers={"X-Session-Id": "shaped"},
+                      json={"model": MODEL_NAME, "messages": [{"role": "user", "content": TURNS[1]}], "max_tokens": 2,
+                            "response_format": bad})
+        assert r.status_code == 400 and why in r.json()["error"]["message"], r.text
+        assert r.json()["error"]["param"].startswith("response_format"), r.text
+    assert http.get("/v1/sessions/shaped").json() == before
+    done = client.completions.create(model=MODEL_NAME, prompt="call me at", max_tokens=20, temperature=0.9, seed=5,
+                                     extra_body={"response_format": PHONE})
+    assert re.fullmatch(PHONE["pattern"], done.choices[0].text) and done.choices[0].finish_reason == "stop"
 
 
 def test_a_reply_sent_back_as_the_sdk_made_it_continues_the_session(server):
@@ -379,6 +423,23 @@ def test_last_event_id_after_kill_9_of_the_server_finishes_the_reply_exactly(tmp
         assert tokens_of(got) + tokens_of(rest) == tokens_of(whole)
         again = stream_events(server, long_request("cut"), {"Last-Event-ID": [i for i, _ in rest if i][-1]})
         assert text_of(again) == "" and again[-1][1] is None  # it had everything: only the end
+
+
+def test_a_formatted_reply_cut_by_kill_9_of_the_server_finishes_under_its_format_exactly(tmp_path, model_folder):
+    """The reply's format is recorded with its call: the resumed stream (Last-Event-ID after a
+    restart) is held to it from where the reply had got to, and the whole equals an uninterrupted one."""
+    words = {"type": "regex", "pattern": "[a-z]{2,6}( [a-z]{2,6}){20,30}"}
+    with LiveServer(tmp_path / "home", model_folder, "--chunk-size", str(CHUNK), "--threads", "1",
+                    "--checkpoint-every", "4") as server:
+        whole = stream_events(server, {**long_request("uncut"), "response_format": words}, {})
+        assert re.fullmatch(words["pattern"], text_of(whole))
+        got = stream_events(server, {**long_request("cut"), "response_format": words}, {}, stop_after=12)
+        server.kill()
+        server.start()
+        rest = stream_events(server, {**long_request("cut"), "response_format": words},
+                             {"Last-Event-ID": [i for i, _ in got if i][-1]})
+        assert text_of(got) + text_of(rest) == text_of(whole)
+        assert tokens_of(got) + tokens_of(rest) == tokens_of(whole)
 
 
 def test_kill_9_of_the_engine_mid_stream_the_api_stays_up_and_the_reply_is_whole(tmp_path, model_folder):

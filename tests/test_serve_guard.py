@@ -177,8 +177,10 @@ BAD_INPUT = [
     ("tool calls in a message", CHAT, {}, json.dumps(chat_body("x") | {"messages": [
         {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function"}]},
         {"role": "user", "content": "x"}]}).encode(), 400, "unsupported_parameter"),
-    ("structured output", CHAT, {}, json.dumps(chat_body("x", response_format={"type": "json_object"})).encode(), 400,
-     "unsupported_parameter"),
+    ("a response format whose schema is not one", CHAT, {}, json.dumps(chat_body("x", response_format={
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}})).encode(), 400, "invalid_value"),
+    ("a response format of an unknown type", CHAT, {}, json.dumps(chat_body("x", response_format={"type": "xml"})).encode(),
+     400, "invalid_value"),
     ("a tool required", CHAT, {}, json.dumps(chat_body("x", tool_choice="required")).encode(), 400,
      "unsupported_parameter"),
     ("an image part", CHAT, {}, json.dumps(chat_body("x") | {"messages": [{"role": "user", "content": [

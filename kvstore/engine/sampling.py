@@ -5,7 +5,8 @@ no RNG state exists to be saved: a resumed session draws exactly what an uninter
 Sampling runs on the CPU in float32: repetition penalty, then OpenAI's presence and frequency
 penalties (over the tokens the reply has generated so far, counted from where it began, so that a
 resumed reply counts what it generated before the interruption), then OpenAI's logit_bias (each
-named token's bias added to its logit), then temperature, top-k, top-p,
+named token's bias added to its logit), then a call's response format (`grammar.Constraint`: the
+tokens it does not allow at -inf), then temperature, top-k, top-p,
 min-p, then an inverse-CDF draw over the surviving tokens in id order. Temperature 0 is greedy
 (argmax, after the penalties).
 The settings themselves (`SamplerSettings`) live in the torch-free `settings` module.
@@ -28,9 +29,10 @@ def uniform(seed: int, position: int) -> float:
 
 
 def sample(logits: torch.Tensor, settings: SamplerSettings, *, seed: int, position: int,
-           history: Sequence[int] = (), reply_start: int | None = None) -> int:
+           history: Sequence[int] = (), reply_start: int | None = None, allowed: torch.Tensor | None = None) -> int:
     """The token id at `position` from a float32 logits row `[vocab]`; `history`: the tokens before
-    `position`, the reply's from `reply_start` (None: no reply penalties)."""
+    `position`, the reply's from `reply_start` (None: no reply penalties); `allowed`: a bool `[vocab]`
+    mask of the tokens a response format allows (None: all)."""
     logits = logits.detach().to("cpu", torch.float32).reshape(-1)
     if settings.repetition_penalty != 1.0 and settings.repetition_window and history:
         logits = apply_repetition_penalty(logits, history[-settings.repetition_window:], settings.repetition_penalty)
@@ -40,6 +42,8 @@ def sample(logits: torch.Tensor, settings: SamplerSettings, *, seed: int, positi
                                        settings.frequency_penalty)
     if settings.logit_bias:
         logits = apply_logit_bias(logits, settings.logit_bias)
+    if allowed is not None:
+        logits = logits.masked_fill(~allowed, float("-inf"))
     if settings.greedy:  # numpy's argmax: torch's, the first maximum (or NaN), in a tenth of its 100 µs here
         return int(logits.numpy().argmax())
     probs = probabilities(logits, settings)

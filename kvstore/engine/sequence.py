@@ -122,12 +122,15 @@ class Sequence:
 
     def generate(self, settings: SamplerSettings, *, seed: int, max_new_tokens: int,
                  stop_ids: Seq[int] = (), should_stop: Callable[[list[int]], bool] | None = None,
-                 fed: Callable[[], None] | None = None, reply_start: int | None = None) -> Iterator[TokenEvent]:
+                 fed: Callable[[], None] | None = None, reply_start: int | None = None,
+                 constraint=None) -> Iterator[TokenEvent]:
         """Sample up to max_new_tokens; stops after an id in stop_ids, when should_stop(new ids) is
         true, or at the end of the context. `stop_reason` says which. `fed()` is called before each
         sample, when every token is in the cache and `hidden` is set: the moment to checkpoint.
         `reply_start`: where the reply began, for the presence and frequency penalties (default:
-        here; a reply resumed after an interruption gives its own)."""
+        here; a reply resumed after an interruption gives its own). `constraint`: the call's
+        response format (`grammar.Constraint`, at the reply's tokens so far): only the tokens it
+        allows are sampled, and the reply ends ("eos") once it is complete."""
         new: list[int] = []
         reply_start = len(self.tokens) if reply_start is None else reply_start
         self.stop_reason = "length"
@@ -140,11 +143,13 @@ class Sequence:
             if fed is not None:
                 fed()
             token = sample(logits, settings, seed=seed, position=position, history=self.tokens,
-                           reply_start=reply_start)
+                           reply_start=reply_start, allowed=None if constraint is None else constraint.allowed())
+            if constraint is not None:
+                constraint.advance(token)
             self.add([token])  # and the state, the previous token's, goes
             new.append(token)
             yield TokenEvent(position, token, logits)
-            if token in stop_ids:
+            if token in stop_ids or (constraint is not None and constraint.ended(token)):
                 self.stop_reason = "eos"
                 return
             if should_stop is not None and should_stop(new):

@@ -26,6 +26,7 @@ from typing import Any
 import xxhash
 
 from ..defaults import WEIGHT_FORMATS
+from ..engine import grammar
 from ..engine.settings import SamplerSettings
 from ..errors import CorruptData, KvstoreError, UnsupportedFormat
 from ..fileio import io
@@ -203,11 +204,18 @@ def _validate_call(call, n_tokens, messages, need, is_int) -> None:
     """A generation in progress, as Session records it: resuming it must be possible."""
     if call is None:
         return
-    need(isinstance(call, dict) and set(call) <= {"kind", "start", "max_new_tokens", "stop", "stop_at_eos", "message"}
+    need(isinstance(call, dict)
+         and set(call) <= {"kind", "start", "max_new_tokens", "stop", "stop_at_eos", "message", "format"}
          and call.get("kind") in ("raw", "chat") and is_int(call.get("start"), 0, n_tokens)
          and is_int(call.get("max_new_tokens"), 0, 1 << 31) and isinstance(call.get("stop", []), list)
          and all(isinstance(x, str) for x in call.get("stop", [])) and isinstance(call.get("stop_at_eos", True), bool),
          "bad generation in progress")
+    if "format" in call:  # its response format, as `grammar.canonical` writes it
+        try:
+            ok = isinstance(call["format"], str) and grammar.canonical(call["format"]) == call["format"] != ""
+        except KvstoreError:
+            ok = False
+        need(ok, "bad generation in progress (its response_format)")
     if call["kind"] == "chat":
         i = call.get("message")
         need(is_int(i, 0, len(messages) - 1) and i == len(messages) - 1 and messages[i]["role"] == "assistant"

@@ -65,6 +65,7 @@ async def answer(request: Request, body, who: Tenant, x_session_id: str | None, 
     public, own = session_of(body.session, x_session_id, resume, f"{reply_class.prefix}-{request_id}")
     common: dict[str, Any] = {
         **job, "max_tokens": svc.max_tokens(body.limit()), "stop": body.stop, "sampling": body.sampler(),
+        "format": body.format(),
         "trace": body.kvstore_trace, "logprobs": body.alternatives()}
     if (body.n or 1) > 1:
         if resume:

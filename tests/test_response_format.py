@@ -186,3 +186,19 @@ def test_a_reply_that_does_not_fit_its_recorded_format_cannot_be_resumed_under_i
         with pytest.raises(KvstoreError, match="does not fit the call's response_format"):
             "".join(s.resume())
     store.close()
+
+
+@pytest.mark.realmodel
+def test_the_real_model_answers_in_json_its_schema_accepts(tmp_path, smollm2_path):
+    """SmolLM2, greedy: asked for a person, held to a schema, it writes JSON with exactly the schema's
+    keys and types, and stops when the object closes."""
+    model = kvstore.load_model(smollm2_path)
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+    store = kvstore.open_store(tmp_path / "home")
+    with store.new("person", model) as s:
+        text = "".join(s.chat("Describe a person as JSON.", 80, response_format={"type": "json_schema", "schema": schema}))
+        person = json.loads(text)
+        assert set(person) == {"name", "age"} and isinstance(person["name"], str) and isinstance(person["age"], int)
+        assert s.tokens[-1] in model.tokenizer.eos_ids
+    store.close()

@@ -39,14 +39,16 @@ def job(j: int, sampling: str, max_tokens: int) -> dict:
             "sampling": SAMPLING[sampling], "create": {"seed": 100 + j, "chunk_size": CHUNK}}
 
 
-def library_trace(tmp_path, model, j: int, sampling: str, max_tokens: int, top: int | None = None) -> list[tuple]:
+def library_trace(tmp_path, model, j: int, sampling: str, max_tokens: int, top: int | None = None,
+                  fmt: dict | None = None) -> list[tuple]:
     """Session j alone through the library: (position, token, logits hash) per token, and with `top`
-    its log-probabilities as `logprob_numbers` gives them."""
+    its log-probabilities as `logprob_numbers` gives them (`fmt`: its reply's response format)."""
     store = kvstore.open_store(tmp_path / f"alone-{j}")
     trace = tmp_path / f"alone-{j}.jsonl"
     target = str(trace) if top is None else Collector(top)
     with store.new(f"s{j}", model, seed=100 + j, chunk_size=CHUNK) as s:
-        for _ in s.chat(conversation(j), max_new_tokens=max_tokens, trace=target, **SAMPLING[sampling]):
+        for _ in s.chat(conversation(j), max_new_tokens=max_tokens, trace=target, response_format=fmt,
+                        **SAMPLING[sampling]):
             pass
     store.close()
     lines = [json.loads(line) for line in trace.read_text().splitlines()] if top is None else target.lines
@@ -116,6 +118,22 @@ def test_logprobs_in_a_batch_are_the_librarys_alone(tmp_path, batched_model, mon
         assert events[f"j{j}"] == alone, f"session s{j}"
     assert max(sessions for sessions, *_ in steps) == 4
 
+
+def test_sessions_held_to_response_formats_in_a_batch_reply_as_the_library_alone(tmp_path, batched_model,
+                                                                                 monkeypatch):
+    """Each session's format masks its own row only: two sessions held to formats (a regular
+    expression, a JSON schema) beside two free ones reply as each does alone, bit for bit."""
+    formats = [{"type": "regex", "pattern": "[a-z]{2,5}( [a-z]{2,5}){3,6}"}, None,
+               {"type": "json_schema", "schema": {"type": "object", "properties": {"ok": {"type": "boolean"}},
+                                                  "required": ["ok"], "additionalProperties": False,
+                                                  "x-guidance": {"whitespace_flexible": False}}}, None]
+    jobs = [job(j, "seeded", 16) | {"format": fmt} for j, fmt in enumerate(formats)]
+    events, steps = together(tmp_path, batched_model, jobs, monkeypatch)
+    for j, fmt in enumerate(formats):
+        assert events[f"j{j}"] == library_trace(tmp_path, batched_model, j, "seeded", 16, fmt=fmt), f"session s{j}"
+    text = batched_model.tokenizer.decode([t for _, t, *_ in events["j2"]], skip_special=True)
+    assert json.loads(text) in ({"ok": True}, {"ok": False})
+    assert max(sessions for sessions, *_ in steps) == 4
 
 
 @pytest.mark.realmodel

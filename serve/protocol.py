@@ -19,11 +19,16 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 import kvstore
 from kvstore import errors
 
+from . import tools
+
 # fields of OpenAI's API that kvstore does not implement: refused, by name, with this reason
 UNSUPPORTED = {
-    "tools": "tool calls are not supported", "tool_choice": "tool calls are not supported",
-    "functions": "function calls are not supported", "function_call": "function calls are not supported",
-    "parallel_tool_calls": "tool calls are not supported", "tool_calls": "tool calls are not supported",
+    # (chat completions take tools: these are the Responses API's, and a response's message's)
+    "tools": "tool calls are supported on chat completions only", "tool_choice": "tool calls are supported on chat "
+    "completions only", "functions": "the legacy function calls are not supported (use tools)",
+    "function_call": "the legacy function calls are not supported (use tools)",
+    "parallel_tool_calls": "tool calls are supported on chat completions only",
+    "tool_calls": "tool calls are supported on chat completions only",
     "logprobs": "logprobs are not supported here", "top_logprobs": "logprobs are not supported here",
     "logit_bias": "logit_bias is not supported",
     "audio": "audio is not supported", "modalities": "only text is supported",
@@ -46,6 +51,7 @@ ASKS_FOR_THE_DEFAULT = {
     "reasoning": lambda v: isinstance(v, dict) and all(x is None for x in v.values()),
 }
 MAX_STOPS = 4
+MAX_TOOLS = 128  # tools one chat request may give, as OpenAI bounds them
 SAMPLER_FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 MAX_TOP_LOGPROBS = 20  # chat's top_logprobs, as OpenAI bounds it
 MAX_COMPLETION_LOGPROBS = 5  # the completions API's logprobs (alternatives per token), as OpenAI bounds it
@@ -99,12 +105,26 @@ def text_parts_only(v: Any) -> Any:
     return v
 
 
+class FunctionCall(Strict):
+    name: str
+    arguments: str  # JSON text, as a reply gave it
+
+
+class ToolCall(Strict):
+    """A tool call of an assistant message, as a reply gave it and the client sends it back."""
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(Strict):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None  # None: an assistant message without text (its refusal, else "")
     name: str | None = None
     refusal: str | None = None  # an assistant message sent back as OpenAI's SDK made it
     annotations: list[Any] | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant message that called tools (serve/tools.py)
+    tool_call_id: str | None = None  # a tool message: the call whose result it is
 
     @field_validator("content", mode="before")
     @classmethod
@@ -115,6 +135,10 @@ class Message(Strict):
     def _has_content(self):
         if self.content is None and self.role != "assistant":
             raise ValueError(f"a {self.role} message needs its content")
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise ValueError("a tool message (and only one) names the call it answers: tool_call_id")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only an assistant message has tool_calls")
         return self
 
     def text(self) -> str:
@@ -233,11 +257,63 @@ class Sampling(Strict):
         return out
 
 
+class FunctionDef(Strict):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of its arguments (none: any JSON object)
+    strict: bool | None = None  # the arguments are always held to the schema here
+
+
+class Tool(Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(Strict):
+    name: str
+
+
+class NamedToolChoice(Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatRequest(Sampling):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=0)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
+    # after tools (its check reads them), checked when not given too (it checks response_format against tools)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(None, validate_default=True)
+    parallel_tool_calls: bool | None = None
+
+    @field_validator("tools")
+    @classmethod
+    def _tool_names(cls, v):
+        names = [t.function.name for t in v or ()]
+        if len(set(names)) < len(names):
+            raise ValueError("two tools have the same name")
+        for tool in v or ():  # each one's parameters, as the reply's format holds them
+            try:
+                kvstore.check_response_format({"type": "json_schema", "schema": tools.parameters(tool)})
+            except errors.InvalidArgument as e:
+                raise ValueError(f"the parameters of {tool.function.name!r} are not a JSON schema this server can "
+                                 f"hold a reply to ({str(e).removeprefix('bad response_format').lstrip(' :')})") from None
+        return v
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice(cls, v, info):
+        names = [t.function.name for t in info.data.get("tools") or ()]
+        if isinstance(v, NamedToolChoice) and v.function.name not in names:
+            raise ValueError(f"it names {v.function.name!r}, which is not one of the tools")
+        if v not in (None, "none", "auto") and not names:
+            raise ValueError("it asks for a tool call, but the request gives no tools")
+        fmt = info.data.get("response_format")
+        if names and fmt is not None and fmt.type != "text":
+            raise ValueError("with tools the reply's format is theirs: give tools or a response_format, not both")
+        return v
 
     @field_validator("top_logprobs")
     @classmethod
@@ -249,8 +325,14 @@ class ChatRequest(Sampling):
     def alternatives(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
+    def format(self) -> dict[str, Any] | None:
+        if self.tools:
+            return tools.reply_format(self.tools, self.tool_choice or "auto", self.parallel_tool_calls is not False)
+        return super().format()
+
     def plain_messages(self) -> list[dict[str, str]]:
-        return [m.plain() for m in self.messages]
+        """The conversation as the session holds it (tool calls and results as text: serve/tools.py)."""
+        return tools.messages(self)
 
     def limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

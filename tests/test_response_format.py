@@ -120,9 +120,20 @@ def test_a_bad_format_is_refused_before_the_session_changes(tmp_path, model, bad
 
 def test_text_and_none_ask_for_free_text_and_formats_are_canonical():
     assert grammar.canonical(None) == grammar.canonical({"type": "text"}) == grammar.canonical("") == ""
-    a = grammar.canonical({"type": "json_schema", "schema": {"b": 1, "a": {"type": "object"}}})
-    assert a == grammar.canonical(json.dumps({"schema": {"a": {"type": "object"}, "b": 1}, "type": "json_schema"}))
+    fmt = {"type": "json_schema", "schema": {"type": "object", "properties": {"z": {"type": "string"}}}}
+    assert grammar.canonical(fmt) == grammar.canonical(json.dumps(fmt, indent=2)) == json.dumps(fmt, separators=(",", ":"))
     assert kvstore.check_response_format(PHONE) == grammar.canonical(PHONE)
+
+
+def test_a_schemas_properties_are_written_in_its_order(tmp_path, model):
+    """Keys in the schema's order, not sorted (a model asked for a name, then its arguments, writes them so)."""
+    order = {"type": "json_schema", "schema": {
+        "type": "object", "properties": {"zeta": {"enum": [1]}, "alpha": {"enum": [2]}}, "required": ["zeta", "alpha"],
+        "additionalProperties": False, "x-guidance": {"whitespace_flexible": False}}}
+    store = kvstore.open_store(tmp_path / "home")
+    with store.new("s", model, **WARM) as s:
+        assert "".join(s.chat("hello", 20, response_format=order)) == '{"zeta":1,"alpha":2}'
+    store.close()
 
 
 def test_an_archive_keeps_a_call_in_progress_with_its_format_and_refuses_a_forged_one(tmp_path, model):

@@ -170,19 +170,21 @@ BAD_INPUT = [
     ("unknown field in a message", CHAT, {},
      json.dumps(chat_body("x") | {"messages": [{"role": "user", "content": "x", "mood": "?"}]}).encode(), 400,
      "unknown_parameter"),
-    ("unsupported field", CHAT, {}, json.dumps(chat_body("x", tools=[{"type": "function"}])).encode(), 400,
+    ("unsupported field", CHAT, {}, json.dumps(chat_body("x", functions=[{"name": "f"}])).encode(), 400,
      "unsupported_parameter"),
+    ("a tool without its function", CHAT, {}, json.dumps(chat_body("x", tools=[{"type": "function"}])).encode(), 400,
+     "missing_required_parameter"),
     ("n above the limit", CHAT, {}, json.dumps(chat_body("x", n=17)).encode(), 400, "invalid_value"),
     ("n 0", COMPLETIONS, {}, json.dumps({"model": "tiny", "prompt": "x", "n": 0}).encode(), 400, "invalid_value"),
-    ("tool calls in a message", CHAT, {}, json.dumps(chat_body("x") | {"messages": [
+    ("a tool call in a message without its function", CHAT, {}, json.dumps(chat_body("x") | {"messages": [
         {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function"}]},
-        {"role": "user", "content": "x"}]}).encode(), 400, "unsupported_parameter"),
+        {"role": "user", "content": "x"}]}).encode(), 400, "missing_required_parameter"),
     ("a response format whose schema is not one", CHAT, {}, json.dumps(chat_body("x", response_format={
         "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}})).encode(), 400, "invalid_value"),
     ("a response format of an unknown type", CHAT, {}, json.dumps(chat_body("x", response_format={"type": "xml"})).encode(),
      400, "invalid_value"),
-    ("a tool required", CHAT, {}, json.dumps(chat_body("x", tool_choice="required")).encode(), 400,
-     "unsupported_parameter"),
+    ("a tool required, none given", CHAT, {}, json.dumps(chat_body("x", tool_choice="required")).encode(), 400,
+     "invalid_value"),
     ("an image part", CHAT, {}, json.dumps(chat_body("x") | {"messages": [{"role": "user", "content": [
         {"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}).encode(),
      400, "unsupported_parameter"),

@@ -10,7 +10,8 @@ ends there.
 
 Contracts:
 - `canonical(value)`: a format as given (a dict, its JSON text, None or `{"type": "text"}` for none)
-  -> its canonical JSON text (sorted keys), "" for none; InvalidArgument names what is wrong (an
+  -> its canonical JSON text (compact, keys in their order: an object's properties are generated in
+  the schema's order), "" for none; InvalidArgument names what is wrong (an
   unknown type, a schema llguidance refuses, a regex that does not parse). Torch-free, model-free:
   front ends check a request with it before anything is changed.
 - `Constraint(tokenizer, vocab_size, fmt, reply)`: the format's state after the reply's tokens so
@@ -67,7 +68,8 @@ def canonical(value: Any) -> str:
         raise InvalidArgument("bad response_format: the json_schema's schema must be a JSON object")
     if kind == "regex" and not (isinstance(value["pattern"], str) and value["pattern"]):
         raise InvalidArgument("bad response_format: the regex's pattern must be a non-empty string")
-    text = json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    # keys as given, not sorted: a schema's properties are generated in its order
+    text = json.dumps(value, separators=(",", ":"), ensure_ascii=False)
     problem = _llguidance().LLMatcher.validate_grammar(_grammar(value))
     if problem:
         raise InvalidArgument(f"bad response_format ({kind}): {_one_line(problem)}")

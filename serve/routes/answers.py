@@ -240,6 +240,7 @@ class Reply:
 
     prefix: str  # of the reply's id and of the session a request of its own runs in
     object: str  # of a streamed chunk
+    buffered = False  # whether the reply is shaped from its whole text, streamed as one last chunk (`last`)
 
     def __init__(self, run: Run, model: str, trace: bool, first: list[dict[str, Any]] = ()):
         self.run, self.model, self.trace = run, model, trace
@@ -285,6 +286,10 @@ class Reply:
         """One chunk: `text`, and the logprobs entries of the tokens it reports (None: not asked for)."""
         raise NotImplementedError
 
+    def last(self, **extra) -> dict[str, Any]:
+        """A buffered reply's one chunk, once its end has come."""
+        raise NotImplementedError
+
     def stream(self, events: AsyncIterator[dict[str, Any]], include_usage: bool, drop, *,
                resumed: bool = False) -> AsyncIterator[ServerSentEvent]:
         """The reply as server-sent events; an error once the stream has begun is an
@@ -302,12 +307,17 @@ class Reply:
             yield chunk, (self.start or 0) - 1
         async for event in events:
             text = self.take(event)
+            if self.buffered:  # shaped from the whole text (`last`)
+                continue
             if event["event"] == "token" and (text or self.trace or self.logprobs is not None):
                 extra = {"kvstore": {"trace": [trace_line(event)]}} if self.trace else {}
                 if self.logprobs is not None:  # a token that released no text yet still has its entry
                     extra["logprobs"] = self.logprobs[-1:]
                 yield self.piece(text, **extra), event["position"]
         end = self.end
+        if self.buffered:
+            yield self.last(kvstore={"session": self.run.public}), "end"
+            return
         yield self.piece(end["text"], end["finish_reason"], kvstore={"session": self.run.public}), "end"
 
     async def _events(self, events: AsyncIterator[dict[str, Any]], include_usage: bool,

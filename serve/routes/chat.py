@@ -11,6 +11,7 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Header, Request
 
+from .. import tools
 from ..deps import tenant
 from ..protocol import ChatRequest
 from ..streams import usage
@@ -24,19 +25,45 @@ router = APIRouter()
 async def chat_completions(body: ChatRequest, request: Request, who: Tenant = Depends(tenant),
                            x_session_id: str | None = Header(None), last_event_id: str | None = Header(None)):
     return await answer(request, body, who, x_session_id, last_event_id, reply_class=ChatReply,
-                        route="chat.completions", job={"kind": "chat", "messages": body.plain_messages()})
+                        route="chat.completions", job={"kind": "chat", "messages": body.plain_messages(),
+                                                       "tools": bool(body.tools)})
 
 
 class ChatReply(Reply):
+    """A chat reply; one that could call tools (`tools.py`) is shaped from its whole text: streamed,
+    its message comes in the last chunk (before it, only the opening: a stream cut before the end
+    resumes from the reply's start)."""
     prefix = "chatcmpl"
     object = "chat.completion.chunk"
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.calls = bool(self.run.spec.get("tools"))
+        self.buffered = self.calls
+
+    def message(self) -> tuple[dict[str, Any], str]:
+        """The reply's message fields (content, tool_calls) and finish reason."""
+        text, finish = "".join(self.text), self.end["finish_reason"]
+        if not self.calls:
+            return {"content": text}, finish
+        return tools.shape(text, finish, f"{self.run.public}:{self.start}")  # a resumed reply's calls: the same ids
+
     def whole(self) -> dict[str, Any]:
-        end = self.end
+        fields, finish = self.message()
         return self.head(object="chat.completion", choices=[
-            {"index": 0, "message": {"role": "assistant", "content": "".join(self.text)},
-             "finish_reason": end["finish_reason"], "logprobs": chat_logprobs(self.logprobs)}], usage=usage(end),
-            kvstore=self.extras())
+            {"index": 0, "message": {"role": "assistant", **fields}, "finish_reason": finish,
+             "logprobs": chat_logprobs(self.logprobs)}], usage=usage(self.end), kvstore=self.extras())
+
+    def last(self, **extra) -> dict[str, Any]:
+        """A buffered reply's one chunk with its message (the tool calls, with their index, or the text)."""
+        fields, finish = self.message()
+        delta = {"content": fields["content"]} if fields.get("content") else {}
+        if fields.get("tool_calls"):
+            delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(fields["tool_calls"])]
+        if self.trace:
+            extra["kvstore"] = {**extra.get("kvstore", {}), "trace": self.lines}
+        return self.head(choices=[{"index": 0, "delta": delta, "finish_reason": finish,
+                                   "logprobs": chat_logprobs(self.logprobs)}], **extra)
 
     def opening(self) -> list[dict[str, Any]]:
         return [self.head(choices=[{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,

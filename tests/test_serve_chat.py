@@ -462,6 +462,39 @@ def test_kill_9_of_the_engine_mid_stream_the_api_stays_up_and_the_reply_is_whole
         assert "kvstore:engine_restarts_total 1.0" in metrics
 
 
+def choice_texts(events) -> dict[int, str]:
+    """Each choice's text in the events of an n-choice stream."""
+    texts: dict[int, str] = {}
+    for _, d in events:
+        for c in (d or {}).get("choices", ()):
+            texts[c["index"]] = texts.get(c["index"], "") + (c["delta"].get("content") or "")
+    return texts
+
+
+def test_kill_9_of_the_engine_mid_stream_of_n_choices_every_choice_is_whole(tmp_path, model_folder):
+    """n = 3 choices streaming (no event ids: each choice's session is resumed by the service): the
+    engine killed mid-stream, the stream still ends with every choice whole, as uninterrupted."""
+    body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "three long ones"}], "max_tokens": 120,
+            "stream": True, "n": 3, **SAMPLING}
+    with LiveServer(tmp_path / "home", model_folder, "--chunk-size", str(CHUNK), "--threads", "1",
+                    "--checkpoint-every", "4") as server:
+        with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=120) as r:
+            whole = choice_texts(sse_events(r.iter_lines()))
+        killed = []
+
+        def kill_at_40(out):
+            if len(out) == 40 and not killed:
+                killed.append(server.kill_engine())
+
+        with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=120) as r:
+            events = sse_events(r.iter_lines(), kill_at_40)
+        assert killed and events[-1][1] is None  # [DONE]
+        assert len(events) > 80  # the kill came mid-stream: most of the chunks came after it
+        assert sorted(whole) == [0, 1, 2] and all(whole.values())
+        assert choice_texts(events) == whole
+        assert server.engine_pids() != killed
+
+
 def test_a_long_reply_does_not_hold_back_another_sessions_first_token(tmp_path, model_folder):
     import threading
 

@@ -60,7 +60,8 @@ def _fresh(engine, job: dict[str, Any]) -> Iterator[dict[str, Any]]:
     yield {"event": "start", "context": how if session.tokens else "computed", "message":
            len(session.messages) + len(messages), **restore}
     tokens = Tokens.for_job(job, engine.model.tokenizer)
-    pieces = converse(session, messages, max_new_tokens=job["max_tokens"], trace=tokens, **(job.get("sampling") or {}))
+    pieces = converse(session, messages, max_new_tokens=job["max_tokens"], trace=tokens,
+                      response_format=job.get("format"), **(job.get("sampling") or {}))
     yield from reply(engine, session, pieces, tokens, job, cached)
 
 

@@ -82,13 +82,15 @@ def usage(input_tokens: int, output_tokens: int, cached: int) -> dict[str, Any]:
 def response_object(public: str, *, created_at: int, model: str, status: str, output: list[dict[str, Any]],
                     usage_: dict[str, Any] | None, previous: str | None, conversation: str | None,
                     instructions: str | None, sampler: dict[str, Any], max_output_tokens: int | None = None,
-                    stored: bool = True) -> dict[str, Any]:
+                    stored: bool = True, text: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A response object. `text`: its format as the request gave it; a response read back from its
+    session says text (a format belongs to its call, and is not stored)."""
     return {"id": public, "object": "response", "created_at": created_at, "status": status, "model": model,
             "output": output, "error": None,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "instructions": instructions, "max_output_tokens": max_output_tokens, "metadata": {},
             "previous_response_id": previous, "conversation": {"id": conversation} if conversation else None,
-            "parallel_tool_calls": False, "tool_choice": "none", "tools": [], "text": {"format": {"type": "text"}},
+            "parallel_tool_calls": False, "tool_choice": "none", "tools": [], "text": text or {"format": {"type": "text"}},
             "temperature": sampler.get("temperature"), "top_p": sampler.get("top_p"), "store": stored,
             "truncation": "disabled", "background": False, "usage": usage_}
 

@@ -35,15 +35,14 @@ UNSUPPORTED = {
     "prediction": "predicted outputs are not supported", "web_search_options": "web search is not supported",
     "best_of": "best_of is not supported", "suffix": "suffix is not supported",
     "echo": "echo is not supported", "reasoning_effort": "reasoning options are not supported",
-    "reasoning": "reasoning options are not supported", "text": "text format options are not supported",
+    "reasoning": "reasoning options are not supported", "text": "text is the Responses API's: chat and completions "
+    "take response_format",
     "include": "include is not supported here", "background": "background responses are not supported",
     "truncation": "truncation is not supported", "prompt": "prompt templates are not supported",
 }
 # values of those fields that ask for what this server does anyway (plain text, no tools, no truncation:
 # a prompt beyond the context is refused), as SDKs send them by default: accepted as if not sent
 ASKS_FOR_THE_DEFAULT = {
-    "text": lambda v: isinstance(v, dict) and v.get("format") in (None, {"type": "text"})
-    and set(v) <= {"format", "verbosity"} and v.get("verbosity") is None,
     "modalities": lambda v: v == ["text"],
     "truncation": lambda v: v == "disabled",
     "tool_choice": lambda v: v in ("none", "auto"),  # with no tools there is nothing to call
@@ -159,17 +158,18 @@ class JsonSchema(Strict):
     strict: bool | None = None
 
 
-class ResponseFormat(Strict):
-    """OpenAI's response_format: text, json_object or json_schema; and kvstore's regex (`pattern`: the
-    whole reply matches it). Checked here as the library checks it (`kvstore.check_response_format`)."""
+class FormatBase(Strict):
+    """What OpenAI's response formats share, and kvstore's regex (`pattern`: the whole reply matches
+    it); checked here as the library checks a response format (`kvstore.check_response_format`).
+    Subclasses say where a json_schema's schema is (`given_schema`)."""
     type: Literal["text", "json_object", "json_schema", "regex"]
-    json_schema: JsonSchema | None = None
     pattern: str | None = None
+
+    def given_schema(self) -> dict[str, Any] | None:
+        raise NotImplementedError
 
     @model_validator(mode="after")
     def _complete(self):
-        if (self.type == "json_schema") != (self.json_schema is not None):
-            raise ValueError("json_schema goes with type json_schema (and that type needs it)")
         if (self.type == "regex") != (self.pattern is not None):
             raise ValueError("pattern goes with type regex (and that type needs it)")
         try:
@@ -179,14 +179,56 @@ class ResponseFormat(Strict):
         return self
 
     def library(self) -> dict[str, Any] | None:
-        """The library's response_format (None: free text)."""
+        """The library's response_format (None: free text; a json_schema without its schema: any object)."""
         if self.type == "text":
             return None
         if self.type == "regex":
             return {"type": "regex", "pattern": self.pattern}
-        if self.type == "json_schema" and self.json_schema.schema_ is not None:
-            return {"type": "json_schema", "schema": self.json_schema.schema_}
+        if self.type == "json_schema" and self.given_schema() is not None:
+            return {"type": "json_schema", "schema": self.given_schema()}
         return {"type": "json_object"}
+
+
+class ResponseFormat(FormatBase):
+    """Chat's and completions' response_format: OpenAI's text, json_object or json_schema (the schema
+    in `json_schema`), and kvstore's regex."""
+    json_schema: JsonSchema | None = None
+
+    @model_validator(mode="after")
+    def _schema_where_typed(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema goes with type json_schema (and that type needs it)")
+        return self
+
+    def given_schema(self) -> dict[str, Any] | None:
+        return self.json_schema.schema_ if self.json_schema is not None else None
+
+
+class TextFormat(FormatBase):
+    """The Responses API's `text.format`: OpenAI's text, json_object and json_schema (its name, schema
+    and strict at this level), and kvstore's regex."""
+    name: str | None = Field(None, pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+    @model_validator(mode="after")
+    def _schema_where_typed(self):
+        if self.type != "json_schema" and (self.schema_, self.name, self.strict) != (None, None, None):
+            raise ValueError("name, schema and strict go with type json_schema")
+        return self
+
+    def given_schema(self) -> dict[str, Any] | None:
+        return self.schema_
+
+    def shown(self) -> dict[str, Any]:
+        """As a response object echoes it."""
+        return self.model_dump(by_alias=True, exclude_none=True)
+
+
+class TextOptions(Strict):
+    format: TextFormat | None = None
+    verbosity: None = None  # a model's length hint (OpenAI's GPT-5): none here, so only null is taken
 
 
 class StreamOptions(Strict):
@@ -414,6 +456,7 @@ class ResponseRequest(Strict):
     kvstore_trace: bool = False
     include: list[str] | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    text: TextOptions | None = None  # its format: this response's reply only
 
     @field_validator("include")
     @classmethod
@@ -456,6 +499,15 @@ class ResponseRequest(Strict):
 
     def sampler(self) -> dict[str, float]:
         return {k: float(v) for k, v in (("temperature", self.temperature), ("top_p", self.top_p)) if v is not None}
+
+    def format(self) -> dict[str, Any] | None:
+        """The reply's response format as the library takes it (None: free text)."""
+        return self.text.format.library() if self.text is not None and self.text.format is not None else None
+
+    def text_shown(self) -> dict[str, Any]:
+        """`text` as the response object echoes it."""
+        fmt = self.text.format if self.text is not None and self.text.format is not None else None
+        return {"format": fmt.shown() if fmt is not None else {"type": "text"}}
 
 
 class TokenizeRequest(Strict):

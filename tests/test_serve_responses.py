@@ -11,6 +11,7 @@ Last-Event-ID gets exactly the rest; unknown ids, and another tenant's, are 404 
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import httpx
@@ -181,6 +182,33 @@ def test_what_sdks_send_by_default_is_answered(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.create(model=MODEL_NAME, input="hello", max_output_tokens=3, truncation="auto")
     assert e.value.body["param"] == "truncation"
+
+
+def test_a_text_format_holds_the_response_to_it_as_the_library_does(client, library, tmp_path, server):
+    """The Responses API's `text.format` (OpenAI's json_schema shape: name, schema, strict at its
+    level; kvstore's regex): the output is what the format accepts, the library's with the same
+    format bit for bit, and the response echoes the format. A bad one is a 400 naming the field."""
+    phone = {"type": "regex", "pattern": "[0-9]{3}-[0-9]{4}"}
+    r = client.responses.create(model=MODEL_NAME, input="call me", max_output_tokens=20, store=False,
+                                extra_body={"kvstore_trace": True, "seed": 5, "text": {"format": phone}})
+    assert re.fullmatch(phone["pattern"], r.output_text) and r.status == "completed"
+    assert r.text.format.model_dump(exclude_none=True) == phone
+    store, model = library
+    path = tmp_path / "phone.jsonl"
+    with single_thread(), store.new("phone", model, seed=5) as s:
+        "".join(s.chat("call me", 20, trace=path, temperature=1.0, top_p=1.0, response_format=phone))
+    assert [json.loads(line) for line in path.read_text().splitlines()] == trace_of(r)
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False, "x-guidance": {"whitespace_flexible": False}}
+    shaped = client.responses.create(model=MODEL_NAME, input="ok?", max_output_tokens=20, store=False,
+                                     text={"format": {"type": "json_schema", "name": "ok", "schema": schema,
+                                                      "strict": True}})
+    assert json.loads(shaped.output_text) in ({"ok": True}, {"ok": False})
+    for bad in ({"type": "json_schema", "name": "x", "schema": {"type": "foo"}}, {"type": "regex"},
+                {"type": "text", "schema": {}}):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.responses.create(model=MODEL_NAME, input="x", max_output_tokens=3, text={"format": bad})
+        assert e.value.body["param"].startswith("text"), e.value.body
 
 
 def test_store_false_and_delete(client):

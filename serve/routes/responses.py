@@ -205,6 +205,7 @@ def plan(request: Request, who: Tenant, body: ResponseRequest, resume) -> tuple[
                        code="invalid_value")
     spec: dict[str, Any] = {"kind": "response", "messages": body.input_messages(), "stop": None,
                             "max_tokens": svc.max_tokens(body.max_output_tokens), "sampling": sampling(body),
+                            "format": body.format(),
                             "trace": body.kvstore_trace, "logprobs": body.alternatives()}
     conversation = body.conversation_id()
     if conversation is not None:
@@ -308,7 +309,7 @@ class Output:
             usage_=usage(end["prompt_tokens"], end["completion_tokens"], end["cached_tokens"]) if end else None,
             previous=body.previous_response_id, conversation=body.conversation_id(),
             instructions="\n".join(system) or None, sampler=self.run.spec["sampling"],
-            max_output_tokens=body.max_output_tokens, stored=body.store)
+            max_output_tokens=body.max_output_tokens, stored=body.store, text=body.text_shown())
         out["kvstore"] = {"session": self.run.public, "context": self.run.context}
         if body.kvstore_trace and end:
             out["kvstore"]["trace"] = self.lines

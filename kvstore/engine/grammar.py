@@ -37,8 +37,8 @@ from typing import Any, Sequence
 
 from ..errors import InvalidArgument, ModelError
 
-TYPES = ("json_object", "json_schema", "regex")
-_KEYS = {"json_object": {"type"}, "json_schema": {"type", "schema"}, "regex": {"type", "pattern"}}
+_KEYS = {  # each type: the keys it takes
+    "json_object": {"type"}, "json_schema": {"type", "schema"}, "regex": {"type", "pattern"}}
 _tokenizers: "weakref.WeakKeyDictionary[Any, dict[int, Any]]" = weakref.WeakKeyDictionary()
 
 

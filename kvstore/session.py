@@ -224,8 +224,7 @@ class Session:
         """Sample up to max_new_tokens token ids (stops at EOS or a stop string); checkpoints as it goes.
         `response_format`: what the generated text must be (`engine.grammar`: JSON, a JSON schema's,
         a regular expression's match); it ends once complete."""
-        fmt = grammar.canonical(response_format)
-        settings = self._call_settings(max_new_tokens, sampling)
+        settings, fmt = self._call_settings(max_new_tokens, sampling, response_format)
         call = self._start_call("raw", max_new_tokens, stop, settings, stop_at_eos=stop_at_eos, **_format(fmt))
         for event in self._run(call, trace):
             yield event.token
@@ -235,8 +234,7 @@ class Session:
         """Add a user turn through the chat template and stream the reply as text pieces (it ends
         at EOS, at a stop string or after max_new_tokens; `response_format`: as in `generate`)."""
         self._check_open()
-        fmt = grammar.canonical(response_format)
-        settings = self._call_settings(max_new_tokens, sampling)
+        settings, fmt = self._call_settings(max_new_tokens, sampling, response_format)
         self._seal_call()
         history = self._history()
         ids = turn_ids(self.model.tokenizer, history, {"role": "user", "content": message}, self.seq.tokens)
@@ -268,8 +266,7 @@ class Session:
         KV is reused, the rest computed); its messages become `messages` and the reply
         (`response_format`: as in `generate`)."""
         self._check_open()
-        fmt = grammar.canonical(response_format)
-        settings = self._call_settings(max_new_tokens, sampling)
+        settings, fmt = self._call_settings(max_new_tokens, sampling, response_format)
         self._seal_call()
         tok = self.model.tokenizer
         ids = tok.apply_chat_template(messages, add_generation_prompt=True)
@@ -336,15 +333,18 @@ class Session:
         if tail := decoder.flush():
             yield tail
 
-    def _call_settings(self, max_new_tokens: int, sampling: dict[str, Any]) -> SamplerSettings:
-        """A call's sampler settings (the session's, with the call's `sampling` over them), checked
-        with its max_new_tokens against the model before the call changes anything: a bad one is an
-        InvalidArgument that leaves the session as it was (no turn added, no call recorded)."""
+    def _call_settings(self, max_new_tokens: int, sampling: dict[str, Any],
+                       response_format) -> tuple[SamplerSettings, str]:
+        """A call's sampler settings (the session's, with the call's `sampling` over them) and its
+        response format (`grammar.canonical`'s text), checked with its max_new_tokens against the
+        model before the call changes anything: a bad one is an InvalidArgument that leaves the
+        session as it was (no turn added, no call recorded)."""
+        fmt = grammar.canonical(response_format)
         if max_new_tokens < 0:
             raise InvalidArgument(f"max_new_tokens must be >= 0 (got {max_new_tokens})")
         settings = dataclasses.replace(self.settings, **sampling) if sampling else self.settings
         settings.check_vocab(self.model.config.vocab_size)
-        return settings
+        return settings, fmt
 
     def _start_call(self, kind: str, max_new_tokens: int, stop, settings: SamplerSettings, *, feed: bool = True,
                     **extra) -> dict[str, Any]:

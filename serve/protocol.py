@@ -500,13 +500,16 @@ class ResponseRequest(Strict):
     def sampler(self) -> dict[str, float]:
         return {k: float(v) for k, v in (("temperature", self.temperature), ("top_p", self.top_p)) if v is not None}
 
+    def text_format(self) -> TextFormat | None:
+        return self.text.format if self.text is not None else None
+
     def format(self) -> dict[str, Any] | None:
         """The reply's response format as the library takes it (None: free text)."""
-        return self.text.format.library() if self.text is not None and self.text.format is not None else None
+        return self.text_format().library() if self.text_format() is not None else None
 
     def text_shown(self) -> dict[str, Any]:
         """`text` as the response object echoes it."""
-        fmt = self.text.format if self.text is not None and self.text.format is not None else None
+        fmt = self.text_format()
         return {"format": fmt.shown() if fmt is not None else {"type": "text"}}
 
 

@@ -38,13 +38,12 @@ class ChatReply(Reply):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.calls = bool(self.run.spec.get("tools"))
-        self.buffered = self.calls
+        self.buffered = bool(self.run.spec.get("tools"))  # a reply that could call tools
 
     def message(self) -> tuple[dict[str, Any], str]:
         """The reply's message fields (content, tool_calls) and finish reason."""
         text, finish = "".join(self.text), self.end["finish_reason"]
-        if not self.calls:
+        if not self.buffered:
             return {"content": text}, finish
         return tools.shape(text, finish, f"{self.run.public}:{self.start}")  # a resumed reply's calls: the same ids
 

@@ -224,3 +224,43 @@ def test_the_real_model_calls_a_tool_well_formed_and_answers_its_result(tmp_path
         assert answer.message.tool_calls is None and answer.message.content
         assert answer.finish_reason == "length" or not answer.message.content.startswith('{"response"')
         assert second.usage.prompt_tokens_details.cached_tokens > first.usage.prompt_tokens
+
+
+NOTE = {"type": "function", "function": {"name": "note", "parameters": {
+    "type": "object", "properties": {"text": {"type": "string", "pattern": "^[a-z ]{150,200}$"}}, "required": ["text"]}}}
+
+
+def test_a_tool_call_cut_by_kill_9_of_the_engine_or_the_server_comes_whole(tmp_path, model_folder):
+    """A long call (its argument 150-200 characters) streaming when its engine is killed, and again
+    when the whole server is killed and its client resends with the opening's id: the last chunk
+    holds the calls an uninterrupted stream of the same request holds, ids included."""
+    body = {"model": MODEL_NAME, "messages": ASK, "tools": [NOTE], "tool_choice": "required", "max_tokens": 400,
+            "temperature": 0.9, "seed": 7, "stream": True}
+    with LiveServer(tmp_path / "home", model_folder, "--chunk-size", str(CHUNK), "--threads", "1",
+                    "--checkpoint-every", "4") as server:
+        def calls_of(out):
+            return [d for _, d in out if d][-1]["choices"][0]["delta"]["tool_calls"]
+
+        whole = calls_of(events(server, {**body, "session": "whole"}, {}))
+        assert len(json.loads(whole[0]["function"]["arguments"])["text"]) >= 150
+        engine = server.engine_pids()[0]
+        killed = []
+
+        def kill_after_opening(out):
+            if len(out) == 1 and not killed:
+                killed.append(server.kill_engine())
+
+        with httpx.stream("POST", server.url + "/v1/chat/completions", json={**body, "session": "engine-cut"},
+                          timeout=120) as r:
+            out, event_id = [], None
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    out.append((event_id, None if line[6:] == "[DONE]" else json.loads(line[6:])))
+                    kill_after_opening(out)
+        assert killed == [engine] and server.engine_pids() != [engine] and out[-1][1] is None
+        assert [c["function"] for c in calls_of(out)] == [c["function"] for c in whole]
+        cut = events(server, {**body, "session": "server-cut"}, {}, stop_after=1)
+        server.kill()
+        server.start()
+        rest = events(server, {**body, "session": "server-cut"}, {"Last-Event-ID": [i for i, _ in cut if i][-1]})
+        assert [c["function"] for c in calls_of(rest)] == [c["function"] for c in whole]

@@ -12,8 +12,18 @@ what GET returns survives restarts with no state of its own:
   else the token limit: incomplete). The items of a response taken from a conversation keep the
   conversation's item ids.
 
+Tool calls (`tools.py`) read back from the text the session holds: an assistant message written
+where the system messages of its turn (since the previous assistant message) state tools is its
+`function_call` items (`fc_<hex>_<ordinal>_<index>`, call ids as the POST gave them) or its
+response's text; an assistant message that is calls exactly as the format writes them (function_call
+items added to a conversation) is its calls anywhere; a user message that is a tool's result is a
+`function_call_output` item (`fco_<hex>_<ordinal>`); a system message shows its own text only
+(none: no item).
+
 Not kept, so not returned: `metadata` (accepted, always `{}`), a request's `max_output_tokens`
-(null on GET). `instructions` on GET are the system messages among the response's input.
+(null on GET), its `tool_choice` and `parallel_tool_calls` (which only narrow the reply's format: GET
+says "auto" and true where tools were offered). `instructions` on GET are the system messages among
+the response's input, `tools` the tools they state.
 """
 
 from __future__ import annotations
@@ -22,6 +32,7 @@ import datetime as dt
 from typing import Any
 
 
+from . import tools
 from .failures import not_found
 from .tenants import Tenant
 
@@ -64,13 +75,60 @@ def item_id(scope: str, ordinal: int) -> str:
     return f"msg_{scope}_{ordinal}"
 
 
-def ordinal_of(scope: str, item: str) -> int | None:
-    head, _, number = item.rpartition("_")
-    return int(number) if head == f"msg_{scope}" and number.isdigit() else None
+def output_items(scope: str, ordinal: int, text: str, status: str, logprobs: list[dict[str, Any]] | None = None,
+                 *, offered: bool = False) -> list[dict[str, Any]]:
+    """The output items of an assistant message: a message, or, where tools were `offered`, the calls
+    its text makes (`function_call` items) or the message of its response's text."""
+    if offered:
+        parsed = tools.parse(text, "stop" if status == "completed" else "length")
+        if isinstance(parsed, list):
+            key = f"{scope}:{ordinal}"
+            return [{"type": "function_call", "id": f"fc_{scope}_{ordinal}_{i}", "call_id": tools.call_id(key, i),
+                     "name": name, "arguments": arguments, "status": "completed"}
+                    for i, (name, arguments) in enumerate(parsed)]
+        text = parsed
+    return [message_item(item_id(scope, ordinal), "assistant", text, status, logprobs)]
 
 
-def conversation_items(store, stored: str, scope: str) -> list[dict[str, Any]]:
-    return [message_item(item_id(scope, m.ordinal), m.role, m.text) for m in store.messages(stored)]
+def history_items(messages: list[dict[str, Any]], scope: str) -> list[tuple[int, dict[str, Any]]]:
+    """(ordinal, item) of each item that stored messages ({ordinal, role, text}) read back as (the
+    module's docstring): a message can be no item (a system message that only states tools) or several
+    (its tool calls)."""
+    out: list[tuple[int, dict[str, Any]]] = []
+    offered = False  # whether the turn so far states tools
+    for m in messages:
+        ordinal, role, text = m["ordinal"], m["role"], m["text"]
+        if role == "system" and tools.stated_tools(text) is not None:
+            offered, text = True, own_text(text)
+            if not text:
+                continue
+        if role == "assistant":
+            out.extend((ordinal, item) for item in output_items(scope, ordinal, text, "completed",
+                                                                offered=offered or tools.written_calls(text)))
+            offered = False
+        elif role == "user" and (result := tools.read_result(text)) is not None:
+            out.append((ordinal, {"type": "function_call_output", "id": f"fco_{scope}_{ordinal}", "call_id": result[0],
+                                  "output": result[1], "status": "completed"}))
+        else:
+            out.append((ordinal, message_item(item_id(scope, ordinal), role, text)))
+    return out
+
+
+def own_text(system: str) -> str:
+    """A system message's own text, without the tools it states."""
+    stated = tools.stated_tools(system)
+    return stated[0] if stated is not None else system
+
+
+def stored_messages(store, stored: str) -> list[dict[str, Any]]:
+    return [{"ordinal": m.ordinal, "role": m.role, "text": m.text, "start": m.token_start, "end": m.token_end}
+            for m in store.messages(stored)]
+
+
+def conversation_items(store, stored: str, scope: str, ordinals: range | None = None) -> list[dict[str, Any]]:
+    """A conversation's items (of the messages whose ordinals are in `ordinals`: None, all)."""
+    return [item for ordinal, item in history_items(stored_messages(store, stored), scope)
+            if ordinals is None or ordinal in ordinals]
 
 
 def usage(input_tokens: int, output_tokens: int, cached: int) -> dict[str, Any]:
@@ -79,18 +137,26 @@ def usage(input_tokens: int, output_tokens: int, cached: int) -> dict[str, Any]:
             "total_tokens": input_tokens + output_tokens}
 
 
+def tool_shown(name: str, description: str | None, parameters: dict[str, Any]) -> dict[str, Any]:
+    """A function tool as a response object lists it: its parameters as the reply is held to them."""
+    return {"type": "function", "name": name, "description": description, "parameters": parameters, "strict": True}
+
+
 def response_object(public: str, *, created_at: int, model: str, status: str, output: list[dict[str, Any]],
                     usage_: dict[str, Any] | None, previous: str | None, conversation: str | None,
                     instructions: str | None, sampler: dict[str, Any], max_output_tokens: int | None = None,
-                    stored: bool = True, text: dict[str, Any] | None = None) -> dict[str, Any]:
+                    stored: bool = True, text: dict[str, Any] | None = None, tools_: list[dict[str, Any]] = (),
+                    tool_choice: str | dict[str, Any] | None = None, parallel: bool = True) -> dict[str, Any]:
     """A response object. `text`: its format as the request gave it; a response read back from its
-    session says text (a format belongs to its call, and is not stored)."""
+    session says text (a format belongs to its call, and is not stored). `tools_` as `tool_shown`
+    makes them; `tool_choice` and `parallel` count where tools are offered (else none, false)."""
     return {"id": public, "object": "response", "created_at": created_at, "status": status, "model": model,
             "output": output, "error": None,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "instructions": instructions, "max_output_tokens": max_output_tokens, "metadata": {},
             "previous_response_id": previous, "conversation": {"id": conversation} if conversation else None,
-            "parallel_tool_calls": False, "tool_choice": "none", "tools": [], "text": text or {"format": {"type": "text"}},
+            "parallel_tool_calls": parallel if tools_ else False, "tool_choice": (tool_choice or "auto") if tools_ else "none",
+            "tools": list(tools_), "text": text or {"format": {"type": "text"}},
             "temperature": sampler.get("temperature"), "top_p": sampler.get("top_p"), "store": stored,
             "truncation": "disabled", "background": False, "usage": usage_}
 
@@ -101,9 +167,7 @@ class StoredResponse:
     def __init__(self, store, who: Tenant, public: str):
         self.public = public
         self.info = info_of(store, who, public, RESPONSE)
-        rows = store.messages(who.stored(public))
-        self.messages = [{"ordinal": m.ordinal, "role": m.role, "text": m.text, "start": m.token_start,
-                          "end": m.token_end} for m in rows]
+        self.messages = stored_messages(store, who.stored(public))
         self.last_token = store.tokens(who.stored(public))[-1:] if self.info.n_tokens else []
         parent = who.public(self.info.parent) if self.info.parent else None
         self.previous = parent if parent and parent.startswith(RESPONSE) else None
@@ -124,17 +188,20 @@ class StoredResponse:
         return "completed" if self.last_token and self.last_token[0] in set(eos_ids) else "incomplete"
 
     def input_items(self) -> list[dict[str, Any]]:
-        return [message_item(item_id(self.scope, m["ordinal"]), m["role"], m["text"]) for m in self._split()[0]]
+        return [item for _, item in history_items(self._split()[0], self.scope)]
 
     def body(self, model: str, eos_ids) -> dict[str, Any]:
         inputs, out = self._split()
         status = self.status(eos_ids)
-        output = [message_item(item_id(self.scope, out["ordinal"]), "assistant", out["text"], status)] if out else []
+        system = [own for m in inputs if m["role"] == "system" if (own := own_text(m["text"]))]
+        offered = next((stated[1] for m in reversed(inputs) if m["role"] == "system"
+                        if (stated := tools.stated_tools(m["text"])) is not None), [])
+        output = output_items(self.scope, out["ordinal"], out["text"], status, offered=bool(offered)) if out else []
         use = None
         if out:
             cached = max(0, inputs[0]["start"] - 1) if inputs else 0  # the last token before was pending
             use = usage(out["start"], self.info.n_tokens - out["start"], cached)
-        system = [m["text"] for m in inputs if m["role"] == "system"]
         return response_object(self.public, created_at=epoch(self.info.created_at), model=model, status=status,
                                output=output, usage_=use, previous=self.previous, conversation=self.conversation,
-                               instructions="\n".join(system) or None, sampler=self.info.sampler)
+                               instructions="\n".join(system) or None, sampler=self.info.sampler,
+                               tools_=[tool_shown(t["name"], t.get("description"), t["parameters"]) for t in offered])

@@ -12,23 +12,23 @@ text's `annotations`, ...). Every refusal becomes a 400 in OpenAI's error shape 
 
 from __future__ import annotations
 
-from typing import Any, Literal, get_args
+from typing import Annotated, Any, Literal, Union, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
 import kvstore
 from kvstore import errors
 
 from . import tools
 
+TOOLS_WHERE = "tool calls are supported on chat completions and responses"
 # fields of OpenAI's API that kvstore does not implement: refused, by name, with this reason
 UNSUPPORTED = {
-    # (chat completions take tools: these are the Responses API's, and a response's message's)
-    "tools": "tool calls are supported on chat completions only", "tool_choice": "tool calls are supported on chat "
-    "completions only", "functions": "the legacy function calls are not supported (use tools)",
+    # (where a request does not take them: completions; a message of the Responses API)
+    "tools": TOOLS_WHERE, "tool_choice": TOOLS_WHERE, "parallel_tool_calls": TOOLS_WHERE,
+    "tool_calls": "a message's tool_calls are chat's (the Responses API's calls are function_call items)",
+    "functions": "the legacy function calls are not supported (use tools)",
     "function_call": "the legacy function calls are not supported (use tools)",
-    "parallel_tool_calls": "tool calls are supported on chat completions only",
-    "tool_calls": "tool calls are supported on chat completions only",
     "logprobs": "logprobs are not supported here", "top_logprobs": "logprobs are not supported here",
     "logit_bias": "logit_bias is not supported",
     "audio": "audio is not supported", "modalities": "only text is supported",
@@ -306,6 +306,20 @@ class FunctionDef(Strict):
     strict: bool | None = None  # the arguments are always held to the schema here
 
 
+def check_parameters(functions: list[FunctionDef]) -> None:
+    """Each function's parameters, as the reply's format holds them (`tools.parameters`); two functions
+    of one name are refused."""
+    names = [f.name for f in functions]
+    if len(set(names)) < len(names):
+        raise ValueError("two tools have the same name")
+    for f in functions:
+        try:
+            kvstore.check_response_format({"type": "json_schema", "schema": tools.parameters(f)})
+        except errors.InvalidArgument as e:
+            raise ValueError(f"the parameters of {f.name!r} are not a JSON schema this server can "
+                             f"hold a reply to ({str(e).removeprefix('bad response_format').lstrip(' :')})") from None
+
+
 class Tool(Strict):
     type: Literal["function"]
     function: FunctionDef
@@ -333,15 +347,7 @@ class ChatRequest(Sampling):
     @field_validator("tools")
     @classmethod
     def _tool_names(cls, v):
-        names = [t.function.name for t in v or ()]
-        if len(set(names)) < len(names):
-            raise ValueError("two tools have the same name")
-        for tool in v or ():  # each one's parameters, as the reply's format holds them
-            try:
-                kvstore.check_response_format({"type": "json_schema", "schema": tools.parameters(tool)})
-            except errors.InvalidArgument as e:
-                raise ValueError(f"the parameters of {tool.function.name!r} are not a JSON schema this server can "
-                                 f"hold a reply to ({str(e).removeprefix('bad response_format').lstrip(' :')})") from None
+        check_parameters([t.function for t in v or ()])
         return v
 
     @field_validator("tool_choice")
@@ -369,7 +375,10 @@ class ChatRequest(Sampling):
 
     def format(self) -> dict[str, Any] | None:
         if self.tools:
-            return tools.reply_format(self.tools, self.tool_choice or "auto", self.parallel_tool_calls is not False)
+            choice = self.tool_choice or "auto"
+            return tools.reply_format([t.function for t in self.tools], choice if isinstance(choice, str) else "required",
+                                      self.parallel_tool_calls is not False,
+                                      only=None if isinstance(choice, str) else choice.function.name)
         return super().format()
 
     def plain_messages(self) -> list[dict[str, str]]:
@@ -425,19 +434,96 @@ class InputMessage(Strict):
         return {"role": "system" if self.role == "developer" else self.role, "content": text}
 
 
+class FunctionCallItem(Strict):
+    """A function call of a response, sent back as input (an output item, as the client got it)."""
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str  # JSON text, as the reply gave it
+    id: str | None = None
+    status: str | None = None
+    namespace: str | None = None  # (fields of OpenAI's output items, as SDKs send them back: no effect here)
+    caller: dict[str, Any] | None = None
+    async_: bool | None = Field(None, alias="async")
+
+
+class FunctionCallOutputItem(Strict):
+    """A function's result, as input: the call it answers and its output (text)."""
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str | list[TextPart]
+    id: str | None = None
+    status: str | None = None
+    name: str | None = None  # (as SDKs may send them: no effect here)
+    namespace: str | None = None
+    caller: dict[str, Any] | None = None
+
+    @field_validator("output", mode="before")
+    @classmethod
+    def _text_only(cls, v):
+        return text_parts_only(v)
+
+    def text(self) -> str:
+        return self.output if isinstance(self.output, str) else "".join(p.text for p in self.output)
+
+
+ITEM_TYPES = {"message": InputMessage, "function_call": FunctionCallItem, "function_call_output": FunctionCallOutputItem}
+
+
+def item_type(v: Any) -> str | None:
+    """Which kind of input item `v` is (a message where it says no type), for the union's choice."""
+    kind = v.get("type", "message") if isinstance(v, dict) else getattr(v, "type", None)
+    return "message" if kind is None else kind
+
+
+def known_items(v: Any) -> Any:
+    """Input items of other types (reasoning, item references, other tools' calls) are refused, saying so."""
+    for item in v if isinstance(v, list) else ():
+        kind = item_type(item)
+        if kind not in ITEM_TYPES:
+            raise ValueError(f"unsupported:input:input items of type {kind!r} are not supported here "
+                             f"(messages, function_call and function_call_output are)")
+    return v
+
+
+InputItem = Annotated[Union[tuple(Annotated[cls, Tag(kind)] for kind, cls in ITEM_TYPES.items())],
+                      Discriminator(item_type)]
+
+
+class ResponseTool(FunctionDef):
+    """A function tool of the Responses API (its fields beside `type`, where chat nests them in `function`)."""
+    type: Literal["function"]
+
+
+class ResponseToolChoice(Strict):
+    type: Literal["function"]
+    name: str
+
+
 class ConversationCreate(Strict):
-    items: list[InputMessage] | None = Field(None, max_length=20)
+    items: list[InputItem] | None = Field(None, max_length=20)
     metadata: dict[str, str] | None = None  # accepted, not kept: a conversation holds its KV, messages, settings
     seed: int | None = Field(None, ge=0, lt=2**63)  # kvstore: the session's seed (random when not given)
 
 
+    _known = field_validator("items", mode="before")(known_items)
+
+    def messages(self) -> list[dict[str, str]]:
+        return tools.item_messages(self.items or [], None)
+
+
 class ItemsCreate(Strict):
-    items: list[InputMessage] = Field(min_length=1, max_length=20)
+    items: list[InputItem] = Field(min_length=1, max_length=20)
+
+    _known = field_validator("items", mode="before")(known_items)
+
+    def messages(self) -> list[dict[str, str]]:
+        return tools.item_messages(self.items, None)
 
 
 class ResponseRequest(Strict):
     model: str
-    input: str | list[InputMessage]
+    input: str | list[InputItem]
     instructions: str | None = None  # a system message before the input (kept in the context: it is KV)
     conversation: str | dict[str, str] | None = None
     previous_response_id: str | None = None
@@ -457,6 +543,38 @@ class ResponseRequest(Strict):
     include: list[str] | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     text: TextOptions | None = None  # its format: this response's reply only
+    tools: list[ResponseTool] | None = Field(None, max_length=MAX_TOOLS)  # stated with the instructions (tools.py)
+    # after tools and text (its check reads them), checked when not given too
+    tool_choice: Literal["none", "auto", "required"] | ResponseToolChoice | None = Field(None, validate_default=True)
+    parallel_tool_calls: bool | None = None
+
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _function_tools(cls, v):
+        for tool in v if isinstance(v, list) else ():
+            kind = tool.get("type") if isinstance(tool, dict) else None
+            if kind != "function":
+                raise ValueError(f"unsupported:tools:only function tools are supported here, not {kind!r}")
+        return v
+
+    @field_validator("tools")
+    @classmethod
+    def _tool_names(cls, v):
+        check_parameters(v or [])
+        return v
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice(cls, v, info):
+        names = [t.name for t in info.data.get("tools") or ()]
+        if isinstance(v, ResponseToolChoice) and v.name not in names:
+            raise ValueError(f"it names {v.name!r}, which is not one of the tools")
+        if v not in (None, "none", "auto") and not names:
+            raise ValueError("it asks for a tool call, but the request gives no tools")
+        text = info.data.get("text")
+        if names and text is not None and text.format is not None and text.format.type != "text":
+            raise ValueError("with tools the reply's format is theirs: give tools or text.format, not both")
+        return v
 
     @field_validator("include")
     @classmethod
@@ -474,11 +592,13 @@ class ResponseRequest(Strict):
             return self.top_logprobs or 0
         return None
 
+    _known = field_validator("input", mode="before")(known_items)
+
     @field_validator("input")
     @classmethod
     def _ends_with_user(cls, v):
-        if isinstance(v, list) and (not v or v[-1].role != "user"):
-            raise ValueError("the input must end with a user message (the turn to answer)")
+        if isinstance(v, list) and (not v or (v[-1].type != "function_call_output" and getattr(v[-1], "role", None) != "user")):
+            raise ValueError("the input must end with a user message or a function_call_output (the turn to answer)")
         return v
 
     @model_validator(mode="after")
@@ -488,9 +608,13 @@ class ResponseRequest(Strict):
         return self
 
     def input_messages(self) -> list[dict[str, str]]:
+        """The input as the session holds it: a system message of the instructions and the tools' text
+        (`tools.py`: stated with every request that gives them, as its instructions are), then the items."""
+        functions = self.tools or []
         given = [{"role": "user", "content": self.input}] if isinstance(self.input, str) else \
-            [m.plain() for m in self.input]
-        return ([{"role": "system", "content": self.instructions}] if self.instructions else []) + given
+            tools.item_messages(self.input, functions)
+        system = tools.with_tools(self.instructions, functions) if functions else self.instructions
+        return ([{"role": "system", "content": system}] if system else []) + given
 
     def conversation_id(self) -> str | None:
         if isinstance(self.conversation, dict):
@@ -505,6 +629,11 @@ class ResponseRequest(Strict):
 
     def format(self) -> dict[str, Any] | None:
         """The reply's response format as the library takes it (None: free text)."""
+        if self.tools:
+            choice = self.tool_choice or "auto"
+            return tools.reply_format(self.tools, choice if isinstance(choice, str) else "required",
+                                      self.parallel_tool_calls is not False,
+                                      only=None if isinstance(choice, str) else choice.name)
         return self.text_format().library() if self.text_format() is not None else None
 
     def text_shown(self) -> dict[str, Any]:

@@ -1,4 +1,6 @@
-"""Tool calls on chat completions (OpenAI's `tools`, `tool_choice`, `parallel_tool_calls`), for any model.
+"""Tool calls, for any model: chat completions' `tools` (`tool_calls`, `tool` messages) and the Responses
+API's (`function_call` and `function_call_output` items). Both present the tools, and hold a reply, the
+same way.
 
 Chat templates differ in how (and whether) they present tools; SmolLM2's has no place for them. So
 the tools are presented the same way to every model, after its system message's own text, and a
@@ -9,8 +11,8 @@ does not name only where it says `additionalProperties`: `parameters`), or `{"re
 JSON, keys in that order. `tool_choice` only narrows the format: "auto" (the default) either,
 "required" calls, a named function calls of it, "none" the response; `parallel_tool_calls: false`
 one call. The prompt is the same whatever it says, so a conversation keeps its KV across them.
-The reply's message then carries `tool_calls` (ids `call_...`, arguments as JSON text;
-finish_reason "tool_calls") or the response's text as its content.
+A reply (`parse`) is then its calls (chat: `tool_calls` with ids `call_...`, arguments as JSON text,
+finish_reason "tool_calls"; responses: `function_call` items) or the response's text.
 
 The conversation as the session holds it: the system message with the tools' text after its own;
 each assistant message as the JSON it was (its tool calls, or its text as the response); a tool's
@@ -19,6 +21,9 @@ assistant's messages back as they got them (arguments verbatim), so the same con
 stored text again and the session goes on from its KV (jobs.plan); a history that converts
 differently (a conversation that gave no tools before) is answered as a cold run, as any edited
 history is. A reply cut by max_tokens is returned as the text it is (finish_reason "length").
+Stored messages read back (`stated_tools`, `read_result`) give the Responses API its items again.
+
+A function here is anything with `name`, `description` and `parameters` (protocol.FunctionDef).
 """
 
 from __future__ import annotations
@@ -35,11 +40,11 @@ def compact(value: Any) -> str:
     return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
 
 
-def parameters(tool) -> dict[str, Any]:
-    """A tool's arguments schema (any JSON object where it gives none). An object schema with properties
+def parameters(function) -> dict[str, Any]:
+    """A function's arguments schema (any JSON object where it gives none). An object schema with properties
     that does not say whether it admits others admits none: a function takes the arguments it names
     (as OpenAI's strict mode asks schemas to say, and as llama.cpp's grammars take them)."""
-    schema = tool.function.parameters
+    schema = function.parameters
     if schema is None:
         return {"type": "object"}
     if isinstance(schema.get("properties"), dict) and "additionalProperties" not in schema:
@@ -47,36 +52,53 @@ def parameters(tool) -> dict[str, Any]:
     return schema
 
 
-def offered(tools: list, choice) -> list:
-    """The tools a reply may call: all of them, or the one `tool_choice` names (none: all, unused)."""
-    if isinstance(choice, str):
-        return list(tools)
-    return [t for t in tools if t.function.name == choice.function.name]
-
-
-def system_text(tools: list) -> str:
+def system_text(functions: list) -> str:
     """What the system message says about the tools (after its own text)."""
     lines = [INTRO]
-    for tool in tools:
-        entry = {"name": tool.function.name, "parameters": parameters(tool)}
-        if tool.function.description:
-            entry["description"] = tool.function.description
+    for f in functions:
+        entry = {"name": f.name, "parameters": parameters(f)}
+        if f.description:
+            entry["description"] = f.description
         lines.append(compact(entry))
     return "\n".join(lines)
 
 
-def reply_format(tools: list, choice, parallel: bool) -> dict[str, Any]:
-    """The response format of a reply to a request with `tools` (see the module's docstring)."""
+def with_tools(system: str | None, functions: list) -> str:
+    """A system message's text followed by the tools' (`system_text`)."""
+    text = system_text(functions)
+    return system + "\n\n" + text if system else text
+
+
+def stated_tools(system: str) -> tuple[str, list[dict[str, Any]]] | None:
+    """A stored system message's own text and the tools it states (each as `system_text` wrote it:
+    name, parameters, description), or None where it states none."""
+    own, sep, block = system.rpartition(INTRO)
+    if not sep or (own and not own.endswith("\n\n")) or not block.startswith("\n"):
+        return None
+    try:
+        entries = [json.loads(line) for line in block[1:].split("\n")]
+    except ValueError:
+        return None
+    if not all(isinstance(e, dict) and isinstance(e.get("name"), str) for e in entries):
+        return None
+    return own.removesuffix("\n\n"), entries
+
+
+def reply_format(functions: list, choice: str, parallel: bool, only: str | None = None) -> dict[str, Any]:
+    """The response format of a reply to a request with tools (see the module's docstring): `choice`
+    "auto", "none" or "required"; `only`: the one function a named tool_choice calls."""
+    offered = [f for f in functions if only is None or f.name == only]
     calls = {"type": "array", "minItems": 1, "items": {"anyOf": [
-        {"type": "object", "properties": {"name": {"const": tool.function.name}, "arguments": parameters(tool)},
-         "required": ["name", "arguments"], "additionalProperties": False} for tool in offered(tools, choice)]}}
+        {"type": "object", "properties": {"name": {"const": f.name}, "arguments": parameters(f)},
+         "required": ["name", "arguments"], "additionalProperties": False} for f in offered]}}
     if not parallel:
         calls["maxItems"] = 1
     call = {"type": "object", "properties": {"tool_calls": calls}, "required": ["tool_calls"],
             "additionalProperties": False}
     answer = {"type": "object", "properties": {"response": {"type": "string"}}, "required": ["response"],
               "additionalProperties": False}
-    schema: dict[str, Any] = {"anyOf": [call, answer]} if choice == "auto" else answer if choice == "none" else call
+    schema: dict[str, Any] = {"anyOf": [call, answer]} if choice == "auto" and only is None else \
+        answer if choice == "none" else call
     return {"type": "json_schema", "schema": {**schema, "x-guidance": {"whitespace_flexible": False}}}
 
 
@@ -90,9 +112,25 @@ def result_text(call_id: str, content: str) -> str:
     return compact({"tool_result": {"tool_call_id": call_id, "content": content}})
 
 
+def read_result(text: str) -> tuple[str, str] | None:
+    """(call id, content) of a user message that is a tool's result as `result_text` writes it, else None."""
+    if not text.startswith('{"tool_result":'):
+        return None
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    result = value.get("tool_result") if isinstance(value, dict) and len(value) == 1 else None
+    if not isinstance(result, dict) or set(result) != {"tool_call_id", "content"} or \
+            not all(isinstance(v, str) for v in result.values()) or \
+            result_text(result["tool_call_id"], result["content"]) != text:
+        return None
+    return result["tool_call_id"], result["content"]
+
+
 def messages(body) -> list[dict[str, str]]:
-    """The request's conversation as the session holds it (see the module's docstring); without tools,
-    a tool call or result still reads as it does with them."""
+    """A chat request's conversation as the session holds it (see the module's docstring); without
+    tools, a tool call or result still reads as it does with them."""
     out = []
     for m in body.messages:
         if m.role == "tool":
@@ -105,11 +143,36 @@ def messages(body) -> list[dict[str, str]]:
         else:
             out.append(m.plain())
     if body.tools:
-        text = system_text(body.tools)
+        functions = [t.function for t in body.tools]
         if out and out[0]["role"] == "system":
-            out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + text}
+            out[0] = {"role": "system", "content": with_tools(out[0]["content"], functions)}
         else:
-            out.insert(0, {"role": "system", "content": text})
+            out.insert(0, {"role": "system", "content": with_tools(None, functions)})
+    return out
+
+
+def item_messages(items: list, functions: list | None) -> list[dict[str, str]]:
+    """Input items of the Responses and Conversations APIs (messages, `function_call`s,
+    `function_call_output`s) as the session holds them: the calls of consecutive function_call items
+    in one assistant message (a reply's calls, as it wrote them), each output a tool result; an
+    assistant message, where `functions` are offered, as its response."""
+    out: list[dict[str, str]] = []
+    calls: list[tuple[str, str]] = []
+    for item in items:
+        if item.type == "function_call":
+            calls.append((item.name, item.arguments))
+            continue
+        if calls:
+            out.append({"role": "assistant", "content": calls_text(calls)})
+            calls = []
+        if item.type == "function_call_output":
+            out.append({"role": "user", "content": result_text(item.call_id, item.text())})
+        elif item.role == "assistant" and functions:
+            out.append({"role": "assistant", "content": compact({"response": item.plain()["content"]})})
+        else:
+            out.append(item.plain())
+    if calls:
+        out.append({"role": "assistant", "content": calls_text(calls)})
     return out
 
 
@@ -119,17 +182,31 @@ def call_id(reply: str, index: int) -> str:
     return "call_" + hashlib.sha256(f"{reply}:{index}".encode()).hexdigest()[:24]
 
 
-def shape(text: str, finish: str, reply: str) -> tuple[dict[str, Any], str]:
-    """(the message's content and tool_calls, the finish reason) of a reply that could call tools."""
+def parse(text: str, finish: str) -> list[tuple[str, str]] | str:
+    """A reply that could call tools: its calls ((name, arguments as JSON text) each), or its text
+    (the response's, or the whole text where it is neither: cut by the token limit)."""
     try:
         value = json.loads(text) if finish == "stop" else None
     except ValueError:
         value = None
     if isinstance(value, dict) and isinstance(value.get("tool_calls"), list):
-        calls = [{"id": call_id(reply, i), "type": "function",
-                  "function": {"name": c["name"], "arguments": compact(c["arguments"])}}
-                 for i, c in enumerate(value["tool_calls"])]
-        return {"content": None, "tool_calls": calls}, "tool_calls"
+        return [(c["name"], compact(c["arguments"])) for c in value["tool_calls"]]
     if isinstance(value, dict) and isinstance(value.get("response"), str):
-        return {"content": value["response"]}, finish
-    return {"content": text}, finish
+        return value["response"]
+    return text
+
+
+def written_calls(text: str) -> bool:
+    """Whether `text` is tool calls exactly as `calls_text` writes them (read back as calls wherever it stands)."""
+    parsed = parse(text, "stop") if text.startswith('{"tool_calls":') else text
+    return isinstance(parsed, list) and calls_text(parsed) == text
+
+
+def shape(text: str, finish: str, reply: str) -> tuple[dict[str, Any], str]:
+    """(the chat message's content and tool_calls, the finish reason) of a reply that could call tools."""
+    parsed = parse(text, finish)
+    if isinstance(parsed, str):
+        return {"content": parsed}, finish
+    calls = [{"id": call_id(reply, i), "type": "function", "function": {"name": name, "arguments": arguments}}
+             for i, (name, arguments) in enumerate(parsed)]
+    return {"content": None, "tool_calls": calls}, "tool_calls"

@@ -33,15 +33,17 @@ from kvstore import errors
 
 from ..deps import service, tenant
 from ..failures import ApiError, not_found
+from .. import tools
 from ..items import (CONVERSATION, RESPONSE, StoredResponse, conversation_items, conversation_object, hex_of, info_of,
-                     item_id, message_item, ordinal_of, response_object, usage)
-from ..protocol import ConversationCreate, ItemsCreate, ResponseRequest
+                     item_id, output_items, own_text, response_object, tool_shown, usage)
+from ..protocol import ConversationCreate, ItemsCreate, ResponseRequest, ResponseToolChoice
 from ..service import Run
 from ..streams import event_stream, chained, data, event_id, first_events, parse_last_event_id, trace_line
 from ..tenants import Tenant
 
 router = APIRouter()
 HEADER_EVENTS = 4  # created, in_progress, output_item.added, content_part.added
+BUFFERED_HEADER_EVENTS = 2  # created, in_progress (a reply that could call tools: its items come whole at the end)
 
 
 def store(request: Request):
@@ -67,7 +69,7 @@ async def create_conversation(body: ConversationCreate, request: Request, who: T
     public = new_id(CONVERSATION)
     await svc.manage({"kind": "conversation", "session": who.stored(public),
                       "create": svc.new_session_settings(body.seed, {}),
-                      "items": [m.plain() for m in body.items or ()]})
+                      "items": body.messages()})
     return conversation_object(public, store(request).info(who.stored(public)))
 
 
@@ -118,9 +120,10 @@ async def add_items(conversation_id: str, body: ItemsCreate, request: Request, w
                     include: list[str] | None = Query(None)):
     info_of(store(request), who, conversation_id, CONVERSATION)
     end = await service(request).manage({"kind": "items", "session": who.stored(conversation_id),
-                                         "items": [m.plain() for m in body.items]})
-    items = conversation_items(store(request), who.stored(conversation_id), hex_of(conversation_id))
-    return item_page(items[end["first"]:end["first"] + end["count"]])
+                                         "items": body.messages()})
+    items = conversation_items(store(request), who.stored(conversation_id), hex_of(conversation_id),
+                               range(end["first"], end["first"] + end["count"]))
+    return item_page(items)
 
 
 @router.get("/v1/conversations/{conversation_id}/items/{item}")
@@ -128,10 +131,10 @@ def get_item(conversation_id: str, item: str, request: Request, who: Tenant = De
              include: list[str] | None = Query(None)):
     info_of(store(request), who, conversation_id, CONVERSATION)
     items = conversation_items(store(request), who.stored(conversation_id), hex_of(conversation_id))
-    ordinal = ordinal_of(hex_of(conversation_id), item)
-    if ordinal is None or ordinal >= len(items):
+    found = next((x for x in items if x["id"] == item), None)
+    if found is None:
         raise not_found("item", item)
-    return items[ordinal]
+    return found
 
 
 @router.delete("/v1/conversations/{conversation_id}/items/{item}")
@@ -266,6 +269,7 @@ class Output:
         self.end: dict[str, Any] | None = None
         self.message: int | None = None  # the ordinal of the reply's message (its item id)
         self.last_seq = -1  # the sequence number of the last event sent
+        self.buffered = bool(body.tools)  # a reply that could call tools: shaped from its whole text
 
     def take(self, event: dict[str, Any]) -> None:
         if event["event"] == "start":
@@ -285,9 +289,16 @@ class Output:
 
     # -- shapes ---------------------------------------------------------------------------------------
     @property
+    def scope(self) -> str:
+        return hex_of(self.body.conversation_id() or self.public)
+
+    @property
     def item_id(self) -> str:
-        scope = hex_of(self.body.conversation_id() or self.public)
-        return item_id(scope, self.message if self.message is not None else 0)
+        return item_id(self.scope, self.ordinal)
+
+    @property
+    def ordinal(self) -> int:
+        return self.message if self.message is not None else 0
 
     def status(self) -> str:
         if self.end is None:
@@ -295,21 +306,29 @@ class Output:
         return "completed" if self.end["finish_reason"] == "stop" else "incomplete"
 
     def item(self) -> dict[str, Any]:
+        """The reply's message while it is written (an unbuffered stream's header)."""
+        return {"type": "message", "id": self.item_id, "role": "assistant", "status": "in_progress", "content": []}
+
+    def items(self) -> list[dict[str, Any]]:
+        """The output items, once the reply is whole: its message, or its calls (a reply that could call tools)."""
         if self.end is None:
-            return {"type": "message", "id": self.item_id, "role": "assistant", "status": "in_progress",
-                    "content": []}
-        return message_item(self.item_id, "assistant", "".join(self.text), self.status(), self.logprobs)
+            return []
+        return output_items(self.scope, self.ordinal, "".join(self.text), self.status(), self.logprobs,
+                            offered=self.buffered)
 
     def response(self) -> dict[str, Any]:
         end, body = self.end, self.body
-        system = [m["content"] for m in body.input_messages() if m["role"] == "system"]
+        system = [own for m in body.input_messages() if m["role"] == "system" if (own := own_text(m["content"]))]
+        choice = body.tool_choice
         out = response_object(
-            self.public, created_at=self.created, model=self.model, status=self.status(),
-            output=[self.item()] if end else [],
+            self.public, created_at=self.created, model=self.model, status=self.status(), output=self.items(),
             usage_=usage(end["prompt_tokens"], end["completion_tokens"], end["cached_tokens"]) if end else None,
             previous=body.previous_response_id, conversation=body.conversation_id(),
             instructions="\n".join(system) or None, sampler=self.run.spec["sampling"],
-            max_output_tokens=body.max_output_tokens, stored=body.store, text=body.text_shown())
+            max_output_tokens=body.max_output_tokens, stored=body.store, text=body.text_shown(),
+            tools_=[tool_shown(f.name, f.description, tools.parameters(f)) for f in body.tools or ()],
+            tool_choice=choice.model_dump() if isinstance(choice, ResponseToolChoice) else choice,
+            parallel=body.parallel_tool_calls is not False)
         out["kvstore"] = {"session": self.run.public, "context": self.run.context}
         if body.kvstore_trace and end:
             out["kvstore"]["trace"] = self.lines
@@ -343,7 +362,11 @@ class Output:
                                         "message": e.message, "param": e.param}), event="error")
 
     async def _events(self, events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[ServerSentEvent]:
+        """The header (created, in_progress; unbuffered, the message's opening), a delta per token
+        (unbuffered), then the closing events: unbuffered, the message's; buffered (a reply that could
+        call tools, shaped from its whole text), each output item's, whole; then the response's end."""
         where = {"output_index": 0, "content_index": 0}
+        header = BUFFERED_HEADER_EVENTS if self.buffered else HEADER_EVENTS
         sent_header = self.after is not None
         async for event in events:
             if self.start is None and event["event"] in ("token", "end"):
@@ -352,30 +375,52 @@ class Output:
                 before = self.start - 1
                 yield self.event("response.created", 0, before, response=self.response())
                 yield self.event("response.in_progress", 1, before, response=self.response())
-                yield self.event("response.output_item.added", 2, before, output_index=0, item=self.item())
-                yield self.event("response.content_part.added", 3, before, item_id=self.item_id, **where,
-                                 part=self.part(""))
+                if not self.buffered:
+                    yield self.event("response.output_item.added", 2, before, output_index=0, item=self.item())
+                    yield self.event("response.content_part.added", 3, before, item_id=self.item_id, **where,
+                                     part=self.part(""))
                 sent_header = True
             self.take(event)
-            if event["event"] == "token" and (self.after is None or event["position"] > self.after):
+            if event["event"] == "token" and not self.buffered and (self.after is None or event["position"] > self.after):
                 extra = {"kvstore": {"trace": [trace_line(event)]}} if self.body.kvstore_trace else {}
-                yield self.event("response.output_text.delta", HEADER_EVENTS + event["position"] - self.start,
+                yield self.event("response.output_text.delta", header + event["position"] - self.start,
                                  event["position"], item_id=self.item_id, **where, delta=event["text"],
                                  logprobs=[event["logprobs"]] if event.get("logprobs") else [], **extra)
         if self.end is None:
             return
-        seq = HEADER_EVENTS + self.end["completion_tokens"]
-        text = "".join(self.text)
-        if self.end["text"]:  # what the decoder held back to the end
-            yield self.event("response.output_text.delta", seq, "end", item_id=self.item_id, **where,
-                             delta=self.end["text"], logprobs=[])
-            seq += 1
-        closing = [("response.output_text.done", dict(item_id=self.item_id, **where, text=text,
-                                                       logprobs=self.logprobs)),
-                   ("response.content_part.done", dict(item_id=self.item_id, **where,
-                                                       part=self.part(text, self.logprobs))),
-                   ("response.output_item.done", dict(output_index=0, item=self.item())),
-                   ("response.completed" if self.status() == "completed" else "response.incomplete",
-                    dict(response=self.response()))]
+        if self.buffered:
+            seq, closing = header, [pair for index, item in enumerate(self.items())
+                                    for pair in self.item_events(index, item)]
+        else:
+            seq, text = header + self.end["completion_tokens"], "".join(self.text)
+            closing = [("response.output_text.delta", dict(item_id=self.item_id, **where, delta=self.end["text"],
+                                                            logprobs=[]))] if self.end["text"] else []
+            # (the delta: what the decoder held back to the end)
+            closing += [("response.output_text.done", dict(item_id=self.item_id, **where, text=text,
+                                                            logprobs=self.logprobs)),
+                        ("response.content_part.done", dict(item_id=self.item_id, **where,
+                                                            part=self.part(text, self.logprobs))),
+                        ("response.output_item.done", dict(output_index=0, item=self.items()[0]))]
+        closing.append(("response.completed" if self.status() == "completed" else "response.incomplete",
+                        dict(response=self.response())))
         for i, (kind, fields) in enumerate(closing):
             yield self.event(kind, seq + i, "end", **fields)
+
+    def item_events(self, index: int, item: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+        """A whole output item's events, from its opening to its end (a buffered reply's)."""
+        at = {"item_id": item["id"], "output_index": index}
+        if item["type"] == "function_call":
+            return [("response.output_item.added", dict(output_index=index, item={**item, "arguments": "",
+                                                                                   "status": "in_progress"})),
+                    ("response.function_call_arguments.delta", dict(**at, delta=item["arguments"])),
+                    ("response.function_call_arguments.done", dict(**at, arguments=item["arguments"])),
+                    ("response.output_item.done", dict(output_index=index, item=item))]
+        part = item["content"][0]
+        at["content_index"] = 0
+        return [("response.output_item.added", dict(output_index=index, item={**item, "status": "in_progress",
+                                                                               "content": []})),
+                ("response.content_part.added", dict(**at, part=self.part(""))),
+                ("response.output_text.delta", dict(**at, delta=part["text"], logprobs=[])),
+                ("response.output_text.done", dict(**at, text=part["text"], logprobs=part["logprobs"])),
+                ("response.content_part.done", dict(**at, part=part)),
+                ("response.output_item.done", dict(output_index=index, item=item))]

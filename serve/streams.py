@@ -77,11 +77,16 @@ async def first_events(events: AsyncIterator[dict[str, Any]]) -> list[dict[str, 
 
 
 async def chained(first: list[dict[str, Any]], rest: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
+    """The events `first_events` took, then the rest of the run's. A run whose end came among the first
+    ones is still run to its return (nothing follows its end event): until then it holds its session's
+    turn, and a request of its own that generated nothing (max_tokens 0), dropping its session after
+    the answer, waited for that turn for good."""
     for event in first:
         yield event
-    if not first or first[-1]["event"] != "end":
-        async for event in rest:
-            yield event
+    async for event in rest:
+        if first and first[-1]["event"] == "end":
+            continue
+        yield event
 
 
 def usage(end: dict[str, Any], *more: dict[str, Any]) -> dict[str, Any]:

@@ -370,6 +370,16 @@ def test_max_tokens_0_reads_the_prompt_into_the_session_and_generates_nothing(se
     assert then.usage.completion_tokens > 0
 
 
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": "nothing to add"}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "nothing to add"}]})])
+def test_a_request_of_its_own_that_generates_nothing_is_answered(server, path, body):
+    """With no session named, the end comes among the first events: its run is still finished, so its
+    session can be kept as a prefix-cache entry (before, the answer waited for good on that session's turn)."""
+    r = server.http().post(path, json={"model": MODEL_NAME, "max_tokens": 0, **body}, timeout=30)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 0
+
+
 def sse_events(lines, on_event=None) -> list[tuple[str, dict]]:
     """(id, data) of each SSE event in raw lines (data None for [DONE]); `on_event(events)` after
     each one may return True to stop reading (the client goes away)."""

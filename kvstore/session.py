@@ -32,7 +32,7 @@ from .engine.chat import turn_ids
 from .engine.sampling import SamplerSettings
 from .engine.sequence import Sequence, TokenEvent
 from .engine.tokenizer import StreamDecoder
-from .engine.trace import TraceWriter
+from .engine.trace import TraceWriter, token_logprobs
 from .errors import InvalidArgument, KvstoreError
 from .store.index import SessionRow
 from .store.locking import SessionLock
@@ -199,6 +199,40 @@ class Session:
         self.finish_prefill(progress=progress)
         return len(ids)
 
+    def append_scored(self, ids: list[int] | str, *, top: int = 0,
+                      progress: Progress | None = None) -> list[dict[str, Any] | None]:
+        """`append_tokens` (or, for text, `append_text`) that also scores what it appends: per token,
+        `{"position", "token", "logprob", "top_logprobs"}`, its log-probability given everything
+        before it and the `top` likeliest tokens' there (`engine.trace.token_logprobs`: float32
+        log-softmax of the logits row that predicts it), or None where no logits predict it (the
+        session's first token; a session whose cache holds its last token without its state).
+        The prefill is the one `append_tokens` runs (the same chunks, K/V and state), its rows'
+        logits taken as it goes; where the model computes every row alone (`Model.row_invariant`) a
+        token's entry is the one a generation sampling it there would report, bit for bit."""
+        self._check_open()
+        self._seal_call()
+        if isinstance(ids, str):
+            ids = self.model.tokenizer.encode(ids, add_bos=None if not self.seq.tokens else False)
+        first = len(self.seq.tokens)
+        scored: dict[int, dict[str, Any]] = {}  # position -> its token's entry
+        if ids and first and self.seq.hidden is not None:  # the state the first one is predicted from
+            scored[first] = token_logprobs(self.model.head(self.seq.hidden).to("cpu"), ids[0], top)
+        self.seq.add(ids)
+        self.checkpoint("tokens")
+        end = len(self.seq.tokens)
+
+        def rows(a: int, logits) -> None:  # [b - a, vocab]: row i predicts position a + i + 1
+            for i in range(logits.shape[0]):
+                if first <= a + i + 1 < end:  # (row i alone, in memory of its own: as a sampled token's row)
+                    scored[a + i + 1] = token_logprobs(logits[i].clone(), self.seq.tokens[a + i + 1], top)
+
+        for done in self._fed_chunks(rows):
+            if progress is not None:
+                progress(done, end)
+        self.settle()
+        return [None if p not in scored else {"position": p, "token": self.seq.tokens[p], **scored[p]}
+                for p in range(first, first + len(ids))]
+
     def finish_prefill(self, *, progress: Progress | None = None) -> None:
         """Feed the pending tokens (a prefill that was killed, say), a checkpoint after each chunk;
         returns once the last one is durable."""
@@ -208,13 +242,14 @@ class Session:
                 progress(done, total)
         self.settle()
 
-    def _fed_chunks(self) -> Iterator[int]:
+    def _fed_chunks(self, rows: Callable[[int, Any], None] | None = None) -> Iterator[int]:
         """Feed the pending tokens a chunk at a time, a checkpoint after each, committed while the next
         chunk computes (`checkpoint(wait=False)`; each waits for the one before); yields the cache
         length. A reply's last one commits while its first token is computed: that token is sent
         before the prefill is durable, as later tokens are before the checkpoints that cover them
-        (a crash then loses the prefill, and the resumed call computes it, and that token, again)."""
-        for done in self.seq.prefill():
+        (a crash then loses the prefill, and the resumed call computes it, and that token, again).
+        `rows`: `Sequence.prefill`'s (each chunk's logits)."""
+        for done in self.seq.prefill(rows):
             self.checkpoint("prefill", wait=False)
             yield done
 

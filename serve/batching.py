@@ -59,7 +59,15 @@ class BatchedModel:
         return self._batcher.call("feed", (list(ids), pos, cache), lambda: self._model.feed(ids, pos, cache))
 
     def head(self, hidden):
+        if hidden.dim() == 2:  # a scored prompt chunk's rows (`feed_all`'s, read outside the steps: see below)
+            return self._model.head(hidden)
         return self._batcher.call("head", (hidden,), lambda: self._model.head(hidden))
+
+    def feed_all(self, ids, pos, cache):
+        """A prompt chunk scored row by row (`Session.append_scored`: the completions API's echo with
+        logprobs) is computed at once, outside the engine's steps: the other sessions wait for it, as
+        for a chunk that cannot be cut."""
+        return self._model.feed_all(ids, pos, cache)
 
 
 @dataclass

@@ -127,6 +127,8 @@ def complete(engine, job: dict[str, Any]) -> Iterator[dict[str, Any]]:
         return
     check_sampling(engine, job)
     text = job["prompt"] if isinstance(job["prompt"], str) else None  # else token ids, as they are
+    tokens = Tokens.for_job(job, engine.model.tokenizer)
+    scored = None
     if job.get("prefix") is not None:  # a request of its own: from the longest stored prefix (C10)
         prompt = job["prompt"] if text is None else engine.model.tokenizer.encode(text, add_bos=None)  # as append_text
         session, how, restore, cached = prefix_cache.open_session(engine, job, prompt)
@@ -137,11 +139,17 @@ def complete(engine, job: dict[str, Any]) -> Iterator[dict[str, Any]]:
         check_seed(session, job.get("seed"))
         yield {"event": "start", "context": how if session.tokens else "computed", **restore, "created": how == "computed"}
         cached = session.n_cached
-        if text is None:
-            session.append_tokens(list(job["prompt"]))
+        given = list(job["prompt"]) if text is None else text
+        if job.get("echo") and tokens.top_logprobs is not None:  # every prompt token's entry (no prefix reused)
+            scored = session.append_scored(given, top=tokens.top_logprobs)
+        elif text is None:
+            session.append_tokens(given)
         else:
             session.append_text(text)
-    tokens = Tokens.for_job(job, engine.model.tokenizer)
+    if job.get("echo"):  # the prompt as the reply begins with it, and its tokens' entries where asked for
+        yield {"event": "prompt", "text": text if text is not None else engine.model.tokenizer.decode(job["prompt"]),
+               "logprobs": None if scored is None else [tokens.prompt_entry(e, token) for e, token in
+                                                        zip(scored, session.tokens[len(session.tokens) - len(scored):])]}
     ids = session.generate(job["max_tokens"], trace=tokens, stop=tuple(job.get("stop") or ()),
                            response_format=job.get("format"), **(job.get("sampling") or {}))
     yield from reply(engine, session, session.text(ids), tokens, job, cached)

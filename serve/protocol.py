@@ -34,7 +34,7 @@ UNSUPPORTED = {
     "audio": "audio is not supported", "modalities": "only text is supported",
     "prediction": "predicted outputs are not supported", "web_search_options": "web search is not supported",
     "best_of": "best_of is not supported", "suffix": "suffix is not supported",
-    "echo": "echo is not supported", "reasoning_effort": "reasoning options are not supported",
+    "echo": "echo is the completions API's", "reasoning_effort": "reasoning options are not supported",
     "reasoning": "reasoning options are not supported", "text": "text is the Responses API's: chat and completions "
     "take response_format",
     "include": "include is not supported here", "background": "background responses are not supported",
@@ -284,6 +284,11 @@ class Sampling(Strict):
         """None, or how many likeliest tokens each generated token's logprobs list (0: its own only)."""
         return None
 
+    def scores_prompt(self) -> bool:
+        """Whether every prompt token gets its logprobs entry (computed in its request's own prefill:
+        a stored prefix's KV has no logits to give them)."""
+        return False
+
     def format(self) -> dict[str, Any] | None:
         """The reply's response format as the library takes it (None: free text)."""
         return self.response_format.library() if self.response_format is not None else None
@@ -392,9 +397,13 @@ class ChatRequest(Sampling):
 class CompletionRequest(Sampling):
     prompt: str | list[int] | list[str] | list[list[int]]  # text, or token ids as they are
     logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
+    echo: bool = False  # the reply begins with the prompt (with logprobs: every prompt token's entry too)
 
     def alternatives(self) -> int | None:
         return self.logprobs
+
+    def scores_prompt(self) -> bool:
+        return self.echo and self.logprobs is not None
 
     @field_validator("prompt")
     @classmethod

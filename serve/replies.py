@@ -43,6 +43,13 @@ class Tokens:
         return {**self.named(line["token"]), "logprob": line["logprob"],
                 "top_logprobs": [{**self.named(t), "logprob": lp} for t, lp in line["top_logprobs"]]}
 
+    def prompt_entry(self, entry: dict[str, Any] | None, token: int) -> dict[str, Any]:
+        """A scored prompt token's entry (`Session.append_scored`'s; None: a token that nothing before it
+        predicts, a session's first: its logprob and alternatives are null, as OpenAI's echo gives them)."""
+        if entry is None:
+            return {**self.named(token), "logprob": None, "top_logprobs": None}
+        return self.logprobs(entry)
+
     def write(self, text: str) -> None:
         for line in text.splitlines():
             if line.strip():

@@ -67,6 +67,12 @@ class Model:
         return self.net.feed(self._ids(ids, pos, cache), pos, cache)
 
     @torch.inference_mode()
+    def feed_all(self, ids: Sequence[int], pos: int, cache: KVCache) -> torch.Tensor:
+        """`feed` that keeps every row's final hidden state `[len(ids), hidden]` (scoring a prompt: `head`
+        of row i gives the logits that predict the token after ids[i]); the last row's bits are `feed`'s."""
+        return self.net.feed_all(self._ids(ids, pos, cache), pos, cache)
+
+    @torch.inference_mode()
     def feed_rows(self, items: Sequence[tuple[Sequence[int], int, KVCache]]) -> torch.Tensor:
         """`feed` of several sequences, `(ids, pos, cache)` each, in one forward (their rows stacked):
         the last rows' final hidden states `[len(items), hidden]`, each the bits `feed` gives it alone

@@ -92,13 +92,20 @@ class Sequence:
         if ids:
             self.hidden = None  # it belonged to the token before these
 
-    def prefill(self) -> Iterator[int]:
+    def prefill(self, rows: Callable[[int, torch.Tensor], None] | None = None) -> Iterator[int]:
         """Feed every pending token, chunk by chunk; yields the cache length after each chunk. The
-        last chunk leaves `hidden` (the last token's final state)."""
+        last chunk leaves `hidden` (the last token's final state). `rows(a, logits)`: called with each
+        chunk's logits `[b - a, vocab]` (float32, CPU; row i predicts the token at position a + i + 1),
+        from every row's final state (`Model.feed_all`: the chunks, the K/V and `hidden` stay as without)."""
         if len(self.pending) > 1:  # text read: room for it all and the tokens generated after, at once
             self.cache.make_room(min(with_room(len(self.tokens)), self.model.config.max_context))
         for a, b in chunk_bounds(self.cache.length, len(self.tokens), self.chunk_size):
-            hidden = self.model.feed(self.tokens[a:b], a, self.cache)
+            if rows is None:
+                hidden = self.model.feed(self.tokens[a:b], a, self.cache)
+            else:
+                states = self.model.feed_all(self.tokens[a:b], a, self.cache)  # [b - a, hidden]
+                hidden = states[-1].clone()  # in memory of its own, as `feed`'s (a kernel's bits may depend on where)
+                rows(a, self.model.head(states).to("cpu"))
             if a == self.reusable and (self._rows_alone or (a % self.chunk_size == 0 and b - a == self.chunk_size)):
                 self.reusable = b
             if b == len(self.tokens):

@@ -77,7 +77,7 @@ async def answer(request: Request, body, who: Tenant, x_session_id: str | None, 
                                 "for n choices (each runs in a session of its own), or fork the session for each "
                                 "one (POST /v1/sessions/{name}/fork)", param="n", code="invalid_value")
         return await answer_choices(request, body, who, common, request_id, reply_class=reply_class, route=route)
-    spec = session_job(svc, who, common, public, body.seed, from_prefix=own and not resume)
+    spec = session_job(svc, who, common, public, body.seed, from_prefix=own and not resume and not body.scores_prompt())
     if resume:
         spec.update(after=resume.after, reply_start=resume.start)
     run = Run(spec, who, public, id=request_id, route=route)
@@ -121,8 +121,8 @@ async def answer_choices(request: Request, body, who: Tenant, common: dict[str, 
     for i in range(body.n):
         name = f"{reply_class.prefix}-{request_id}" + (f"-{i}" if i else "")
         seed = None if body.seed is None else (body.seed + i) % 2**63
-        runs.append(Run(session_job(svc, who, common, name, seed, from_prefix=True), who, name, id=request_id,
-                        route=route))
+        runs.append(Run(session_job(svc, who, common, name, seed, from_prefix=not body.scores_prompt()), who, name,
+                        id=request_id, route=route))
     streams = [svc.run(run) for run in runs]
     try:  # the first choice's prompt read (and stored, chunk by chunk), then the others: they fork it
         firsts = [await first_events(streams[0])]

@@ -146,6 +146,12 @@ class GPT2:
         """Write the K/V of `ids` `[T]`; the last one's final hidden state after `ln_f`: `[hidden]`."""
         return self._final_norm(self._trunk(ids, pos, cache)[-1:])[0]
 
+    def feed_all(self, ids: torch.Tensor, pos: int, cache: KVCache | None) -> torch.Tensor:
+        """`feed` that keeps every row: the final hidden states after `ln_f`, `[T, hidden]`; the last row
+        computed as `feed` computes it."""
+        x = self._trunk(ids, pos, cache)
+        return torch.cat([self._final_norm(x[:-1]), self._final_norm(x[-1:])])
+
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits `[vocab]` from a final hidden state `[hidden]` (`feed`'s)."""
         return project(hidden[None], self.lm_head).float()[0]  # as a [1, hidden] row, like a chunk's last

@@ -342,6 +342,13 @@ class Llama:
         normalized: `[hidden]`, what `head` turns into the logits that predict the next token."""
         return self.feed_rows([Item(ids, pos, cache)])[0]
 
+    def feed_all(self, ids: torch.Tensor, pos: int, cache: KVCache | None) -> torch.Tensor:
+        """`feed` that keeps every row: the final hidden states of `ids` `[T]`, normalized, `[T, hidden]`;
+        the last row is `feed`'s state, computed as `feed` computes it (the same bits)."""
+        x = self._rows([Item(ids, pos, cache)])
+        last = rms_norm(x[torch.tensor([x.shape[0] - 1], device=x.device)], self.norm2, self.cfg.norm_eps)
+        return torch.cat([rms_norm(x[:-1], self.norm2, self.cfg.norm_eps), last]) if x.shape[0] > 1 else last
+
     def feed_rows(self, items: list[Item]) -> torch.Tensor:
         """`feed` of several sequences in one forward: each item's tokens into its own cache; their last
         rows' final hidden states, normalized, `[len(items), hidden]`. Row for row the same bits as

@@ -10,7 +10,11 @@ names a session that holds the context up to the end of that response and is nev
 - `previous_response_id`: the response's session is a fork of the earlier one's (`base`), made at
   rest by the engine the new session is pinned to, which then opens it and chats the input on it.
   Continuing from an older response is forking an older session: nothing else changes;
-- neither: a new session (`create` gives its settings).
+- neither: a new session (`create` gives its settings), made by reference from the longest stored
+  prefix of the input's prompt where the prefix cache is on (`prefix`: as a chat request that names
+  no session; a client that resends the whole history each turn, as agent frameworks do by default,
+  reads only what is new), the input then answered as one conversation (`Session.respond`, a cold
+  run's bits).
 
 Kinds (added to `jobs.KINDS` by `engine.py`): `response` (a generation: `jobs.reply`'s events), `conversation`
 (create one, with its first items) and `items` (append items to one). A resumed `response`
@@ -24,6 +28,7 @@ from typing import Any, Iterator
 
 from kvstore import errors
 
+from . import prefix_cache
 from .jobs import converse, reply, resume
 from .replies import Tokens
 
@@ -48,7 +53,17 @@ def _reply_ordinal(session) -> int | None:
 
 
 def _fresh(engine, job: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    name = job["session"]
+    name, messages = job["session"], job["messages"]
+    tokens = Tokens.for_job(job, engine.model.tokenizer)
+    args = dict(max_new_tokens=job["max_tokens"], trace=tokens, response_format=job.get("format"),
+                **(job.get("sampling") or {}))
+    if job.get("prefix") is not None:  # a response on no earlier state: from the longest stored prefix (C10)
+        prompt = engine.model.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        session, how, restore, cached = prefix_cache.open_session(engine, job, prompt)
+        yield {"event": "start", "context": how, "message": len(messages), **restore,
+               "prefix_queried": len(prompt), "prefix_hit": cached}
+        yield from reply(engine, session, session.respond(messages, **args), tokens, job, cached)
+        return
     if job.get("base"):
         try:
             engine.store.fork(job["base"], name)
@@ -56,13 +71,9 @@ def _fresh(engine, job: dict[str, Any]) -> Iterator[dict[str, Any]]:
             pass  # an engine that died before the reply began had forked it; nothing was written since
     session, how, restore = engine.writer(name, create=job.get("create"))
     cached = session.n_cached
-    messages = job["messages"]
     yield {"event": "start", "context": how if session.tokens else "computed", "message":
            len(session.messages) + len(messages), **restore}
-    tokens = Tokens.for_job(job, engine.model.tokenizer)
-    pieces = converse(session, messages, max_new_tokens=job["max_tokens"], trace=tokens,
-                      response_format=job.get("format"), **(job.get("sampling") or {}))
-    yield from reply(engine, session, pieces, tokens, job, cached)
+    yield from reply(engine, session, converse(session, messages, **args), tokens, job, cached)
 
 
 def _snapshot(engine, job: dict[str, Any]) -> None:

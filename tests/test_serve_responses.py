@@ -172,6 +172,25 @@ def test_output_items_sent_back_as_input_are_the_conversation(client):
     assert second.status in ("completed", "incomplete") and second.usage.input_tokens > first.usage.input_tokens
 
 
+def test_a_client_that_resends_the_history_reads_only_what_is_new(client, library, tmp_path):
+    """The agent frameworks' default: no stored state named, the whole history each turn. The
+    response starts from the longest stored prefix of its prompt (the last response's session) and
+    is the cold run of the conversation, bit for bit."""
+    store, model = library
+    opening = "The quick brown fox jumps over the lazy dog, and then it runs far away into the woods"
+    first = ask(client, opening, extra_body={"seed": 21})
+    history = [{"role": "user", "content": opening}, *[o.model_dump() for o in first.output],
+               {"role": "user", "content": "and then?"}]
+    second = ask(client, history, extra_body={"seed": 21})
+    assert second.usage.input_tokens_details.cached_tokens >= 16  # whole chunks of the first prefill
+    messages = [{"role": "user", "content": opening}, {"role": "assistant", "content": first.output_text},
+                {"role": "user", "content": "and then?"}]
+    path = tmp_path / "cold.jsonl"
+    with single_thread(), store.new("cold-history", model, seed=21, chunk_size=16) as s:
+        "".join(s.respond(messages, TOKENS, trace=path, temperature=1.0, top_p=1.0))
+    assert trace_of(second) == [json.loads(line) for line in path.read_text().splitlines()]
+
+
 def test_what_sdks_send_by_default_is_answered(client):
     """Settings an agent framework sends on every request, asking for what this server does anyway
     (plain text, no truncation, no tools), are as if not sent; asking for more is a 400."""

@@ -231,6 +231,8 @@ def plan(request: Request, who: Tenant, body: ResponseRequest, resume) -> tuple[
             spec["base"] = who.stored(body.previous_response_id)
         else:
             spec["create"] = svc.new_session_settings(body.seed, sampling(body))
+            if svc.config.prefix_cache and not resume:
+                spec["prefix"] = {"scope": who.prefix}
     if resume:  # replayed from the reply's start, so the whole text is known; only what is new is sent
         spec.update(after=resume.start - 1, reply_start=resume.start)
     return public, writer, spec

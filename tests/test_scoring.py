@@ -96,3 +96,28 @@ def test_text_is_tokenized_as_append_text_does(tiny, tmp_path):
         more = s.append_scored(" again")
         assert more[0]["position"] == len(entries)  # from the state: no BOS in the middle
     store.close()
+
+
+@pytest.mark.realmodel
+def test_the_real_model_finds_the_likely_continuation_likelier(tmp_path, smollm2_path):
+    """SmolLM2 as kvstore runs it by default (its GGUF blocks, bfloat16): a log-likelihood comparison,
+    as an evaluation harness makes it, from a document read once and forked per candidate; each
+    candidate's entries are the same whether scored on the fork or with the document in one call."""
+    model = kvstore.load_model(smollm2_path)
+    store = kvstore.open_store(tmp_path / "home")
+    context = "The capital of France is"
+    with store.new("doc", model) as doc:
+        doc.append_text(context)
+    totals, alone = {}, {}
+    for name, candidate in (("right", " Paris"), ("wrong", " a banana")):
+        store.fork("doc", f"doc-{name}")
+        with store.open(f"doc-{name}", model) as s:
+            entries = s.append_scored(candidate, top=1)
+        totals[name] = sum(e["logprob"] for e in entries)
+        with store.new(f"whole-{name}", model) as w:
+            alone[name] = w.append_scored(context + candidate, top=1)[-len(entries):]
+        same_tokens = [e["token"] for e in alone[name]] == [e["token"] for e in entries]
+        if model.row_invariant and same_tokens:  # the fork went on from the stored state: the same rows' bits
+            assert alone[name] == entries
+    store.close()
+    assert totals["right"] > totals["wrong"] + 2.0

@@ -41,6 +41,10 @@ class Request:
         return len(self.args[0]) if self.kind == "feed" else 1
 
 
+STEPPED = ("feed", "alone")  # the kinds answered by a step's feed (`Batcher._answer_feeds`); "alone": a
+# call computed by itself (args: the function), one a step
+
+
 class BatchedModel:
     """A model whose `feed` and `head`, called from a job's greenlet, wait for the loop's next batch;
     everything else is the model's own."""
@@ -59,15 +63,19 @@ class BatchedModel:
         return self._batcher.call("feed", (list(ids), pos, cache), lambda: self._model.feed(ids, pos, cache))
 
     def head(self, hidden):
-        if hidden.dim() == 2:  # a scored prompt chunk's rows (`feed_all`'s, read outside the steps: see below)
-            return self._model.head(hidden)
+        if hidden.dim() == 2:  # a scored prompt chunk's rows (`feed_all`'s): see there
+            return self._alone(lambda: self._model.head(hidden))
         return self._batcher.call("head", (hidden,), lambda: self._model.head(hidden))
 
     def feed_all(self, ids, pos, cache):
         """A prompt chunk scored row by row (`Session.append_scored`: the completions API's echo with
-        logprobs) is computed at once, outside the engine's steps: the other sessions wait for it, as
-        for a chunk that cannot be cut."""
-        return self._model.feed_all(ids, pos, cache)
+        logprobs), and then the head over its rows, are each computed by themselves in a step of their
+        own, beside the step's decode tokens (`Batcher`: one such call a step): the other sessions
+        go on between them, as beside a chunk that cannot be cut."""
+        return self._alone(lambda: self._model.feed_all(ids, pos, cache))
+
+    def _alone(self, fn: Callable[[], Any]):
+        return self._batcher.call("alone", (fn,), fn)
 
 
 @dataclass
@@ -161,7 +169,7 @@ class Batcher:
         # jobs still waiting from an earlier step (a prompt chunk the budget left out) keep their request
         runnable = {job: (self._task(fn), _START) for job, fn in steps.items() if job not in self.waiting}
         fed = False
-        while runnable or (not fed and any(r.kind == "feed" for _, r in self.waiting.values())):
+        while runnable or (not fed and any(r.kind in STEPPED for _, r in self.waiting.values())):
             asked: dict[str, tuple[greenlet, Request]] = {}
             for job, (task, answer) in runnable.items():
                 out = task.switch() if answer is _START else task.switch(answer)
@@ -202,15 +210,15 @@ class Batcher:
             step.model_s += time.perf_counter() - started
 
     def _answer_feeds(self, step: Step) -> dict[str, tuple[greenlet, Any]]:
+        answers = self._answer_alone(step)
         feeds = sorted(((job, task, r) for job, (task, r) in self.waiting.items() if r.kind == "feed"),
                        key=lambda f: (f[2].rows > 1, f[2].arrived))
         chosen = self._choose(feeds)
         if not chosen:
-            return {}
+            return answers
         step.sessions = len(chosen)
         step.decode_rows += sum(1 for _, _, r, _ in chosen if r.rows == 1)
         step.prefill_rows += sum(piece.rows for _, _, r, piece in chosen if r.rows > 1)
-        answers: dict[str, tuple[greenlet, Any]] = {}
         for job, task, r, piece in chosen:
             if piece is r:
                 del self.waiting[job]
@@ -230,6 +238,21 @@ class Batcher:
                 self.waiting.pop(job, None)
                 answers[job] = (task, hidden[i])
         return answers
+
+    def _answer_alone(self, step: Step) -> dict[str, tuple[greenlet, Any]]:
+        """The oldest waiting call that is computed by itself ("alone"), computed: one a step."""
+        alone = [(job, task, r) for job, (task, r) in self.waiting.items() if r.kind == "alone"]
+        if not alone:
+            return {}
+        job, task, r = min(alone, key=lambda a: a[2].arrived)
+        del self.waiting[job]
+        started = time.perf_counter()
+        try:
+            out = r.args[0]()
+        except Exception as e:  # noqa: BLE001 -- handed to its job
+            out = e
+        step.model_s += time.perf_counter() - started
+        return {job: (task, out)}
 
     def _choose(self, feeds: list) -> list[tuple[str, greenlet, Request, Request]]:
         """(job, task, request, what of it this step feeds): every decode token, then prompt rows, oldest

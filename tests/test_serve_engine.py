@@ -70,6 +70,26 @@ def test_a_long_prompt_is_read_a_chunk_per_turn_while_another_session_replies(tm
     store.close()
 
 
+def test_a_scored_prompt_is_read_a_call_per_step_while_another_session_replies(tmp_path, model):
+    """Echo with logprobs scores a prompt outside the batched feeds (every row's state, then the head
+    over them), one such call a step: the other session's tokens go on between its chunks, and the
+    scores are the library's."""
+    store = kvstore.open_store(tmp_path / "home")
+    document = " ".join(f"word{i}" for i in range(25))  # about 10 chunks of 16 tokens
+    score = {"op": "run", "id": "score", "kind": "complete", "session": "scorer", "prompt": document, "echo": True,
+             "logprobs": 1, "max_tokens": 0, "stop": [], "sampling": {}, "create": {"seed": 1, "chunk_size": CHUNK}}
+    sent = run_loop(store, model, [score, chat_job("short", "chatter", "hi", 30)])
+    order = [(m["id"], m["event"]) for m in sent if m["event"] != "stats"]
+    (prompt,) = [m for m in sent if m["event"] == "prompt"]
+    chunks = -(-len(prompt["logprobs"]) // CHUNK)
+    meanwhile = order[:order.index(("score", "prompt"))].count(("short", "token"))
+    assert chunks >= 4 and meanwhile >= chunks, order  # a token at least per chunk, while it was scored
+    with store.new("lib", model, chunk_size=CHUNK) as s:
+        expected = s.append_scored(document, top=1)
+    assert [e["logprob"] for e in prompt["logprobs"]] == [None if e is None else e["logprob"] for e in expected]
+    store.close()
+
+
 def test_interleaving_changes_no_bit(tmp_path, model):
     """The two sessions' replies, run together, equal each one run alone."""
 

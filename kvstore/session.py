@@ -55,7 +55,8 @@ class Session:
         self.active_call: dict[str, Any] | None = row.active_call
         self.messages = messages
         self.head = Head(row.head, row.n_tokens, row.n_cached, committed_end, row.n_reusable)
-        self._prefix_root = Identity.of(model, row.chunk_size).root()  # its prefix keys' (C10)
+        identity = Identity.of(model, row.chunk_size)
+        self._prefix_root, self._key_block = identity.root(), identity.chunk_size  # its prefix keys' (C10)
         self._dirty_messages: set[int] = set()
         self._dirty = False  # settings or the call in progress changed since the last checkpoint
         self.on_checkpoint: Callable[[int, int, int], None] | None = None  # (head, n_tokens, n_cached)
@@ -149,7 +150,7 @@ class Session:
                         else None, n_cached, hidden_bytes(self.seq.hidden) if n_cached == len(tokens) > 0 else None,
                         self.active_call and dict(self.active_call), self.settings.to_dict(), self._checkpoint_every,
                         [self.messages[i] for i in dirty_messages], self.seq.reusable,
-                        new_keys(self._prefix_root, tokens, self.chunk_size, head.n_reusable, self.seq.reusable),
+                        new_keys(self._prefix_root, tokens, self._key_block, head.n_reusable, self.seq.reusable),
                         kv_owned=getattr(self.seq.cache, "STATE_COPIES", False))
         self._dirty_messages.clear()
         self._dirty = False

@@ -65,7 +65,8 @@ def is_loopback(host: str) -> bool:
                    "on its next request.")
 @click.option("--prefix-cache", default="1GiB", show_default=True, metavar="SIZE",
               help="Disk budget of the prefix cache: a request that names no session starts from the longest "
-                   "stored prefix of its prompt (whole chunks, byte-identical to a cold run) and its session is kept "
+                   "stored prefix of its prompt (whole chunks, or blocks of 32 tokens where every row is computed "
+                   "alone; byte-identical to a cold run) and its session is kept "
                    "as an entry, the least recently used deleted beyond SIZE (named sessions never); 0 turns it off.")
 @click.option("--step-tokens", default=512, show_default=True, type=click.IntRange(1, 1 << 20),
               help="Tokens one engine step computes at most: every generating session's next token, then "

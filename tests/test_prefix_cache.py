@@ -253,3 +253,34 @@ def test_a_missing_source_file_falls_back_to_a_cold_run(tmp_path, model):
     assert "error" not in got and got["start"]["prefix_hit"] == 0
     assert got["tokens"] == library_cold(tmp_path, model, messages, "greedy")[0]
     assert "named" in store.names() and store.find_prefix(model, prompt, CHUNK, scope="named") is None
+
+
+def test_a_row_invariant_model_is_keyed_every_block_whatever_its_chunk_size(tmp_path, tiny):
+    """Where every row is computed alone, any position is a cold run's boundary: keys every KEY_BLOCK
+    positions even with the default chunk of 512, so a conversation shorter than a chunk, resent with
+    a new turn, reuses all but its last few tokens, and the reply is the cold run's, bit for bit."""
+    from kvstore.store.prefix import KEY_BLOCK
+
+    m = tiny("llama-gqa")
+    model = kvstore.load_model(m.gguf(Q.Q4_1)[0], dtype="bfloat16", weights="stored")
+    if not model.row_invariant:
+        pytest.skip("this process lacks a native kernel the row-invariant forward needs")
+    ids = m.ids(200, seed=5)
+    store = kvstore.open_store(tmp_path)
+    with store.new("turn1", model) as s:  # the default chunk (512)
+        s.append_tokens(ids[:100])
+        list(s.generate(20))
+        turn1 = list(s.tokens)
+    prompt = turn1 + ids[150:170]
+    hit = store.find_prefix(model, prompt, kvstore.DEFAULT_CHUNK)
+    assert hit is not None and hit.length == len(turn1) // KEY_BLOCK * KEY_BLOCK > 64  # its reply's tokens too
+    assert store.find_prefix(model, prompt, 64).length == hit.length  # another chunking: the same keys
+    assert store.fork_prefix(hit, "warm", prompt, seed=2)
+    cold, warm = tmp_path / "cold.jsonl", tmp_path / "warm.jsonl"
+    with store.new("cold", model, seed=2) as s:
+        s.append_tokens(prompt)
+        list(s.generate(8, trace=str(cold), temperature=0.9))
+    with store.open("warm", model) as s:
+        s.append_tokens(prompt[len(s.tokens):])
+        list(s.generate(8, trace=str(warm), temperature=0.9))
+    assert trace_of(warm) == trace_of(cold)

@@ -150,8 +150,8 @@ class TokenBlockRow(Base):
 
 class PrefixKeyRow(Base):
     """The prefix cache's index (C10): `key` names tokens [0, position) of a session, on its model,
-    weights, dtype, kernels and chunk size (`prefix.chain`); `position` is a chunk boundary within
-    the session's n_reusable. Equal keys: equal tokens whose stored KV is a cold run's."""
+    weights, dtype, kernels and chunk size (`prefix.chain`); `position` is a chunk boundary (a
+    KEY_BLOCK's, where every row is computed alone: `prefix.key_block`) within the session's n_reusable. Equal keys: equal tokens whose stored KV is a cold run's."""
     __tablename__ = "prefix_keys"
     session_id: Mapped[str] = mapped_column(ForeignKey("sessions.id", ondelete="CASCADE"), primary_key=True)
     position: Mapped[int] = mapped_column(Integer, primary_key=True)

@@ -11,6 +11,12 @@ size. Equal keys mean equal tokens at the same absolute positions, computed alik
 session at b holds, bit for bit, the KV a cold run of any prompt beginning with those tokens would
 compute (the lookup compares the tokens too, so a hash collision costs a miss, never a wrong hit).
 
+Where the model computes every row alone (`Model.row_invariant`: the default model on the CPU's
+native kernels), how the tokens were fed changes no bit, so any position is a cold run's boundary:
+keys then stand every KEY_BLOCK positions (or the chunk size, if smaller), whatever the chunk size,
+which takes C's place above (`key_block`). A conversation resent each turn reuses all but the last
+few tokens before what is new, where with C = 512 one shorter than 512 tokens reused nothing.
+
 Lookup (`find`): the longest boundary b <= len(tokens) - 1 whose key a session holds (one token at
 least is left to feed: the last prompt token's state is computed, never stored). `fork` makes a
 session from the hit by reference: its rows share the source's extents below b (C5: committed
@@ -38,6 +44,17 @@ from .locking import SessionLock
 from .records import add_session, claim_name, read_tokens, share
 
 LOOKUP_CANDIDATES = 8  # sessions whose tokens a lookup compares at most (one hit suffices)
+# positions between two keys of a model that computes every row alone: a key row and a 16-byte hash
+# per block in the index, and what a request reads again before the tokens it does not share (16 on
+# average)
+KEY_BLOCK = 32
+
+
+def key_block(model, chunk_size: int) -> int:
+    """Positions between two prefix keys of a session of `model` read in chunks of `chunk_size`: the
+    chunk size, where the bits depend on how the tokens were fed; at most KEY_BLOCK where every row is
+    computed alone (`Model.row_invariant`)."""
+    return min(int(chunk_size), KEY_BLOCK) if getattr(model, "row_invariant", False) else int(chunk_size)
 
 
 @dataclass(frozen=True)
@@ -47,11 +64,11 @@ class Identity:
     dtype: str
     weights: str
     kernels: str  # which kernels computed it (`Model.kernels`)
-    chunk_size: int
+    chunk_size: int  # positions between two keys (`key_block`: the chunk size, or less where it changes no bit)
 
     @classmethod
     def of(cls, model, chunk_size: int) -> "Identity":
-        return cls(model.fingerprint, model.dtype_name, model.weights, model.kernels, int(chunk_size))
+        return cls(model.fingerprint, model.dtype_name, model.weights, model.kernels, key_block(model, chunk_size))
 
     def root(self) -> bytes:
         return _digest(json.dumps(self.__dict__, sort_keys=True).encode())

@@ -266,7 +266,7 @@ class Store:
     # -- the prefix cache (C10: `prefix`) -------------------------------------------------------------
     def find_prefix(self, model, tokens: list[int], chunk_size: int | None = None, *,
                     scope: str = "") -> PrefixHit | None:
-        """The longest stored prefix of `tokens` up to a chunk boundary (one token at least left to
+        """The longest stored prefix of `tokens` up to a chunk boundary (`prefix.key_block`'s; one token at least left to
         feed) whose KV is what a cold run of `model` in chunks of `chunk_size` computes, among the
         sessions whose name starts with `scope`; None when no session holds one."""
         identity = prefix.Identity.of(model, DEFAULT_CHUNK if chunk_size is None else chunk_size)

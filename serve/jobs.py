@@ -6,7 +6,8 @@ different sessions interleave token by token. Kinds:
 - `chat`: a conversation (OpenAI messages) on a named session. Stored messages that begin the
   request's are kept and only the new ones fed (`Session.chat`, as the library would); a request
   that differs from what the session holds is the cold run of its messages (`Session.respond`), on
-  a fork of the session at the last chunk boundary that both computed alike (`plan`), so the reply
+  a fork of the session at the last position that both computed alike (`plan`: a chunk boundary
+  unless the model computes every row alone), so the reply
   is byte-identical to the same request on a new session. The session's name then names the fork;
   the old branch stays as `NAME@N`.
 - `complete`: raw text appended to a session and continued (`/v1/completions`).
@@ -60,11 +61,12 @@ def plan(session, messages: list[dict[str, str]]) -> Plan:
         if a != b:
             break
         common += 1
-    # KV computed as a cold run computes it: whole chunks of the session's first prefill (that prefill
-    # started at 0 and ended where the first reply began; generated tokens went one at a time)
-    first_reply = next((m["token_start"] for m in session.messages if m["role"] == "assistant"), session.n_cached)
-    size = session.chunk_size
-    reuse = min(common - 1, first_reply, session.n_cached) // size * size
+    # KV computed as a cold run computes it (`Sequence.reusable`): whole chunks of the session's first
+    # prefill, or every position where the model computes each row alone; a fork is cut at a chunk
+    # boundary unless the rows are computed alone (then any position is one)
+    reuse = min(common - 1, session.seq.reusable)
+    if not session.model.row_invariant:
+        reuse = reuse // session.chunk_size * session.chunk_size
     return Plan("cold", [], fork_at=max(reuse, 0))
 
 

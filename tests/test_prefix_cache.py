@@ -284,3 +284,44 @@ def test_a_row_invariant_model_is_keyed_every_block_whatever_its_chunk_size(tmp_
         s.append_tokens(prompt[len(s.tokens):])
         list(s.generate(8, trace=str(warm), temperature=0.9))
     assert trace_of(warm) == trace_of(cold)
+
+
+def test_an_edited_history_on_a_row_invariant_model_reuses_every_common_position(tmp_path, tiny):
+    """A named session asked a history that differs from its own (a regenerated reply, say) is answered
+    as a cold run on a fork: where every row is computed alone, at the last position both share (not
+    the last chunk boundary, which with the default chunk of 512 would be 0); elsewhere at a boundary."""
+    from kvstore_serve.jobs import plan
+
+    m = tiny("llama-gqa")
+    for model, row_invariant in ((kvstore.load_model(m.gguf(Q.Q4_1)[0], dtype="bfloat16", weights="stored"), True),
+                                 (kvstore.load_model(m.folder), False)):
+        if model.row_invariant != row_invariant:
+            pytest.skip("this process lacks a native kernel the row-invariant forward needs")
+        store = kvstore.open_store(tmp_path / f"home-{row_invariant}")
+        with store.new("chat", model, chunk_size=16) as s:
+            "".join(s.chat("hello there, how are you today", 12))
+            edited = [{"role": "user", "content": "hello there, how are you today"},
+                      {"role": "assistant", "content": "fine"}, {"role": "user", "content": "good"}]
+            prompt = model.tokenizer.apply_chat_template(edited, add_generation_prompt=True)
+            common = next(i for i, (a, b) in enumerate(zip(s.tokens, prompt)) if a != b)
+            p = plan(s, edited)
+        store.close()
+        assert p.kind == "cold" and common > 17 and (common - 1) % 16, common
+        assert p.fork_at == (common - 1 if row_invariant else (common - 1) // 16 * 16), (p.fork_at, common)
+
+
+@pytest.mark.parametrize("sampling", ["greedy", "seeded"])
+def test_an_edited_history_on_a_named_session_is_the_cold_runs_bit_for_bit(tmp_path, model, sampling):
+    """The engine's side of `plan`: the named session's reply to an edited history, on the branch it
+    forks (at any common position where rows are computed alone), is the cold run's, trace for trace."""
+    store = kvstore.open_store(tmp_path / "home")
+    first = [{"role": "user", "content": " ".join(f"w{k}" for k in range(30))}]
+    job = {**own_chat("a", first, sampling), "session": "named"}
+    del job["prefix"]
+    run_loop(store, model, [job])
+    edited = first + [{"role": "assistant", "content": "an edited reply"}, {"role": "user", "content": "go on"}]
+    got = events_of(run_loop(store, model, [{**job, "id": "b", "messages": edited}]), "b")
+    cold, _ = library_cold(tmp_path, model, edited, sampling)
+    assert got["tokens"] == cold
+    assert got["end"]["cached_tokens"] > 0 and "named@1" in store.names()
+    store.close()

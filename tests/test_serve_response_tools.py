@@ -272,3 +272,29 @@ def test_the_sdk_parses_the_events_it_knows(client):
                                  parallel_tool_calls=False, max_output_tokens=LIMIT, extra_body={"seed": 7}) as stream:
         final = stream.get_final_response()
     assert isinstance(final, openai.types.responses.Response) and checked_calls(final.output)
+
+
+@pytest.mark.realmodel
+def test_the_real_model_in_a_stateless_agent_loop_calls_answers_and_reuses_the_history(tmp_path, smollm2_path):
+    """SmolLM2 over the Responses API as agent frameworks drive it by default: the whole history resent
+    each turn. It calls the tool it must, with arguments the schema accepts; each turn after the first
+    reuses the history's KV from the last one's session (on the default model's kernels, keys every 32
+    positions though the chunk is 512), and given the result it answers in text."""
+    from serve_kit import LiveServer
+
+    weather = {"type": "function", "name": "get_weather", "description": "The weather in a city",
+               "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+    with LiveServer(tmp_path / "home", smollm2_path, "--threads", "2") as server:
+        client = server.client()
+        history = [{"role": "user", "content": "What is the weather in Paris?"}]
+        first = client.responses.create(model=MODEL_NAME, input=history, tools=[weather], tool_choice="required",
+                                        parallel_tool_calls=False, temperature=0, max_output_tokens=40)
+        (called,) = first.output
+        assert called.type == "function_call" and called.name == "get_weather"
+        assert set(json.loads(called.arguments)) == {"city"}
+        history += [called.model_dump(exclude_none=True),
+                    {"type": "function_call_output", "call_id": called.call_id, "output": "18 C and sunny"}]
+        second = client.responses.create(model=MODEL_NAME, input=history, tools=[weather], tool_choice="none",
+                                         temperature=0, max_output_tokens=60)
+        assert [o.type for o in second.output] == ["message"] and second.output_text
+        assert second.usage.input_tokens_details.cached_tokens >= first.usage.total_tokens - 32

@@ -19,8 +19,9 @@ different sessions interleave token by token. Kinds:
 - `fork`, `delete`, `import`: the writes on stored sessions that need the writer's lock; `retain`:
   a request's own session kept as a prefix-cache entry, the entries evicted beyond the budget.
 
-Events: `start` (how the context was obtained), `token` (replies.token_events), `end` (usage,
-finish reason) or `error` (an OpenAI-shaped error, `failures.py`).
+Events: `start` (how the context was obtained), `prompt` (a completion with `echo`: the prompt's
+text, and its tokens' entries where logprobs were asked for), `token` (replies.token_events), `end`
+(usage, finish reason) or `error` (an OpenAI-shaped error, `failures.py`).
 """
 
 from __future__ import annotations

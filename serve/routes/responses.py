@@ -11,6 +11,9 @@
   or once its client leaves the stream: a response not stored is not resumed (OpenAI resumes the
   streams of stored responses only).
 - `GET` / `DELETE /v1/responses/{id}` and its input items: read from the session at rest (`items.py`).
+- function `tools` (`tools.py`, as chat's): the reply is held to the tool-call format and its output
+  is `function_call` items or the answer's message, shaped from its whole text; streamed, those
+  items come whole after the header, each with its own events.
 
 Streams carry the Responses event types, each with `sequence_number` and an SSE id in the scheme
 of `streams.py` with the response id as the session: `RESP/START/START-1` for the events before
@@ -31,9 +34,9 @@ from sse_starlette import ServerSentEvent
 
 from kvstore import errors
 
+from .. import tools
 from ..deps import service, tenant
 from ..failures import ApiError, not_found
-from .. import tools
 from ..items import (CONVERSATION, RESPONSE, StoredResponse, conversation_items, conversation_object, hex_of, info_of,
                      item_id, output_items, own_text, response_object, tool_shown, usage)
 from ..protocol import ConversationCreate, ItemsCreate, ResponseRequest, ResponseToolChoice

@@ -407,18 +407,28 @@ class CompletionRequest(Sampling):
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, v):
-        """One prompt: a string, or a list of token ids (taken as they are, no BOS added); a list of
-        one of them is that one."""
-        if v == []:
-            raise ValueError("the prompt is an empty list: give text, or token ids")
+    def _prompts(cls, v):
+        """A prompt: a string, or a list of token ids (taken as they are, no BOS added); or a list of
+        prompts (a list of one of them is that one), each answered as a request of its own would be."""
+        if v == [] or (isinstance(v, list) and any(p in ("", []) for p in v)):
+            raise ValueError("an empty prompt: give text, or token ids")
         if isinstance(v, list) and all(isinstance(x, int) for x in v):
             return v
-        if isinstance(v, list):
-            if len(v) != 1:
-                raise ValueError("unsupported:prompt:one prompt per request (a list of one string or one token list)")
+        if isinstance(v, list) and len(v) == 1:
             return v[0]
         return v
+
+    @model_validator(mode="after")
+    def _sessions_bounded(self):
+        if len(self.prompts()) * (self.n or 1) > MAX_CHOICES:
+            raise ValueError(f"{len(self.prompts())} prompts x n {self.n} choices: each runs in a session of its "
+                             f"own, and a request may ask for {MAX_CHOICES} at most")
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts (one, unless it gave a list of them)."""
+        one = isinstance(self.prompt, str) or all(isinstance(x, int) for x in self.prompt)
+        return [self.prompt] if one else list(self.prompt)
 
     def limit(self) -> int | None:
         return self.max_tokens

@@ -314,9 +314,36 @@ def test_a_completion_prompt_of_token_ids_is_the_texts(server, model_folder):
         by_ids = client.completions.create(prompt=prompt, **ask)
         assert by_ids.model_extra["kvstore"]["trace"] == by_text.model_extra["kvstore"]["trace"]
         assert by_ids.usage.prompt_tokens == by_text.usage.prompt_tokens == len(ids)
-    for bad, why in (([10**9], "token ids must lie in"), ([], "empty list"), ([[1, 2], [3]], "one prompt")):
+    for bad, why in (([10**9], "token ids must lie in"), ([], "empty prompt"), (["a", ""], "empty prompt"),
+                     ([[1, 2]] * 17, "16 at most")):
         r = server.http().post("/v1/completions", json={"model": MODEL_NAME, "prompt": bad, "max_tokens": 2})
         assert r.status_code == 400 and why in r.json()["error"]["message"], r.text
+
+
+def test_a_list_of_prompts_is_answered_as_that_many_requests(server):
+    """OpenAI's batched completions (evaluation harnesses send them): choice k * n + i is prompt k's i-th,
+    the same tokens and bits as a request of its own with that prompt; the usage counts each prompt once."""
+    client = server.client()
+    prompts = ["Once upon a time", "The fox", "In the beginning there was"]
+    ask = dict(model=MODEL_NAME, max_tokens=5, temperature=0.9, seed=4, extra_body={"kvstore_trace": True})
+    batched = client.completions.create(prompt=prompts, n=2, **ask)
+    alone = [client.completions.create(prompt=p, n=2, **ask) for p in prompts]
+    assert [c.index for c in batched.choices] == list(range(6))
+    traces = batched.model_extra["kvstore"]["choices"]
+    for k, one in enumerate(alone):
+        for i in range(2):
+            assert batched.choices[2 * k + i].text == one.choices[i].text
+            assert traces[2 * k + i]["trace"] == one.model_extra["kvstore"]["choices"][i]["trace"]
+    assert batched.usage.prompt_tokens == sum(one.usage.prompt_tokens for one in alone)
+    assert batched.usage.completion_tokens == sum(one.usage.completion_tokens for one in alone)
+    streamed = {}
+    for chunk in client.completions.create(prompt=prompts, stream=True, **ask):
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + c.text
+    assert [streamed[k] for k in range(3)] == [one.choices[0].text for one in alone]
+    r = server.http().post("/v1/completions", json={"model": MODEL_NAME, "prompt": prompts, "max_tokens": 2,
+                                                     "session": "one-session"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
 
 
 def test_n_completions_are_one_choice_completions_and_a_refused_prompt_leaves_no_session(server):

@@ -91,3 +91,16 @@ def test_a_named_session_scores_what_the_request_appends(server, model_folder, t
     _, expected = library_entries(model_folder, tmp_path / "lib", PROMPT, " and runs away")
     assert choice["text"] == " and runs away" and expected[0] is not None  # the session's last state predicts it
     assert choice["logprobs"]["token_logprobs"] == as_legacy(expected)
+
+
+def test_a_batch_of_prompts_is_scored_as_one_by_one(server):
+    """lm-evaluation-harness with a batch size: several prompts in one request, each choice's entries
+    those of the prompt's request alone."""
+    client = server.client()
+    prompts = [PROMPT, "A second text to score", PROMPT + " twice"]
+    ask = dict(model=MODEL_NAME, max_tokens=0, echo=True, logprobs=1)
+    batched = client.completions.create(prompt=prompts, **ask)
+    for choice, prompt in zip(batched.choices, prompts):
+        alone = client.completions.create(prompt=prompt, **ask).choices[0]
+        assert choice.text == prompt and choice.logprobs.token_logprobs == alone.logprobs.token_logprobs
+        assert choice.logprobs.tokens == alone.logprobs.tokens

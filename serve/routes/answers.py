@@ -10,7 +10,9 @@ cache and read only the rest, and all decode in the engine's steps together. The
 choices in order; the usage counts the prompt once and every choice's tokens; a stream interleaves
 the choices' chunks as they come, each with its index, and carries no event ids (resuming is per
 session: `Last-Event-ID` goes with one-choice requests). Each session is kept as a prefix-cache
-entry afterwards, as a one-choice request's is.
+entry afterwards, as a one-choice request's is. A completions request with a list of prompts is
+answered the same way: n choices of each prompt, in order (choice k * n + i: prompt k's i-th), its
+usage counting each prompt once.
 
 A request that names a session (`X-Session-Id`, or `session` in the body) runs on it; one that
 names none runs in a session of its own (`chatcmpl-...`, `cmpl-...`), made from the longest
@@ -55,9 +57,11 @@ def session_of(body_session: str | None, header: str | None, resume, own_name: s
 
 
 async def answer(request: Request, body, who: Tenant, x_session_id: str | None, last_event_id: str | None, *,
-                 job: dict[str, Any], reply_class: type["Reply"], route: str):
+                 job: dict[str, Any], reply_class: type["Reply"], route: str, inputs: list[dict[str, Any]] = ({},)):
     """Run `job` (its kind and input; the rest comes from `body`'s common fields) on the request's
-    session and answer it: JSON, or server-sent events when `body.stream`."""
+    session and answer it: JSON, or server-sent events when `body.stream`. `inputs`: the job's input
+    per prompt, where a request gives several (the completions API's list of prompts): each prompt's
+    `n` choices then follow the one before's, as separate requests would answer them."""
     svc = service(request)
     svc.check_model(body.model)
     resume = parse_last_event_id(last_event_id)
@@ -67,16 +71,19 @@ async def answer(request: Request, body, who: Tenant, x_session_id: str | None, 
         **job, "max_tokens": svc.max_tokens(body.limit()), "stop": body.stop, "sampling": body.sampler(),
         "format": body.format(),
         "trace": body.kvstore_trace, "logprobs": body.alternatives()}
-    if (body.n or 1) > 1:
+    if (body.n or 1) > 1 or len(inputs) > 1:
+        param, what, instead = ("n", f"n is {body.n}", "resend with n: 1") if len(inputs) == 1 else \
+            ("prompt", f"{len(inputs)} prompts", "resend them one by one")
         if resume:
-            raise ApiError(400, "Last-Event-ID resumes the stream of one session; a request for n > 1 choices "
-                                "streams several: resend with n: 1 (or leave Last-Event-ID out)", param="n",
-                           code="invalid_value")
+            raise ApiError(400, f"Last-Event-ID resumes the stream of one session; {what}, which streams several: "
+                                f"{instead} (or leave Last-Event-ID out)", param=param, code="invalid_value")
         if not own:
-            raise ApiError(400, f"n is {body.n}, but a stored session holds one continuation: leave the session out "
-                                "for n choices (each runs in a session of its own), or fork the session for each "
-                                "one (POST /v1/sessions/{name}/fork)", param="n", code="invalid_value")
-        return await answer_choices(request, body, who, common, request_id, reply_class=reply_class, route=route)
+            raise ApiError(400, f"{what}, but a stored session holds one continuation: leave the session out "
+                                "(each choice runs in a session of its own), or fork the session for each "
+                                "one (POST /v1/sessions/{name}/fork)", param=param, code="invalid_value")
+        return await answer_choices(request, body, who, common, request_id, reply_class=reply_class, route=route,
+                                    inputs=inputs)
+    common.update(inputs[0])
     spec = session_job(svc, who, common, public, body.seed, from_prefix=own and not resume and not body.scores_prompt())
     if resume:
         spec.update(after=resume.after, reply_start=resume.start)
@@ -113,16 +120,16 @@ def session_job(svc, who: Tenant, common: dict[str, Any], name: str, seed: int |
 
 
 async def answer_choices(request: Request, body, who: Tenant, common: dict[str, Any], request_id: str, *,
-                         reply_class: type["Reply"], route: str):
-    """`answer` for n > 1 choices (see the module's comment): `common` is the job without its
-    session and seed."""
+                         reply_class: type["Reply"], route: str, inputs: list[dict[str, Any]]):
+    """`answer` for several choices (see the module's comment): n of each input (`inputs`: a prompt's),
+    choice k * n + i the i-th of input k; `common` is the job without its input, session and seed."""
     svc = service(request)
-    runs = []
-    for i in range(body.n):
-        name = f"{reply_class.prefix}-{request_id}" + (f"-{i}" if i else "")
+    runs, n = [], body.n or 1
+    for index, (given, i) in enumerate((given, i) for given in inputs for i in range(n)):
+        name = f"{reply_class.prefix}-{request_id}" + (f"-{index}" if index else "")
         seed = None if body.seed is None else (body.seed + i) % 2**63
-        runs.append(Run(session_job(svc, who, common, name, seed, from_prefix=not body.scores_prompt()), who, name,
-                        id=request_id, route=route))
+        runs.append(Run(session_job(svc, who, {**common, **given}, name, seed, from_prefix=not body.scores_prompt()),
+                        who, name, id=request_id, route=route))
     streams = [svc.run(run) for run in runs]
     try:  # the first choice's prompt read (and stored, chunk by chunk), then the others: they fork it
         firsts = [await first_events(streams[0])]
@@ -139,7 +146,7 @@ async def answer_choices(request: Request, body, who: Tenant, common: dict[str, 
     events = [chained(first, s) for first, s in zip(firsts, streams)]
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        out = choices_stream(replies, events, include_usage)
+        out = choices_stream(replies, events, include_usage, n)
         for run in runs:
             out = svc.drop_after(out, run.spec["session"])
         return event_stream(out, svc.config.keep_alive)
@@ -158,13 +165,25 @@ async def answer_choices(request: Request, body, who: Tenant, common: dict[str, 
     await all_of([svc.drop_session(run.spec["session"]) for run in runs])
     wholes = [r.whole() for r in replies]
     whole = {**wholes[0], "choices": [{**w["choices"][0], "index": i} for i, w in enumerate(wholes)],
-             "usage": usage(*(r.end for r in replies))}
+             "usage": usage_of(replies, n)}
     whole["kvstore"] = {**wholes[0]["kvstore"], "choices": [w["kvstore"] for w in wholes]}
     return JSONResponse(whole)
 
 
+def usage_of(replies: list["Reply"], n: int) -> dict[str, Any]:
+    """The usage of several choices, n of each prompt: each prompt counted once (its first choice's),
+    every choice's tokens."""
+    ends = [r.end for r in replies]
+    out = usage(*ends)
+    firsts = ends[::n]
+    out["prompt_tokens"] = sum(e["prompt_tokens"] for e in firsts)
+    out["prompt_tokens_details"]["cached_tokens"] = sum(e["cached_tokens"] for e in firsts)
+    out["total_tokens"] = out["prompt_tokens"] + out["completion_tokens"]
+    return out
+
+
 async def choices_stream(replies: list["Reply"], events: list[AsyncIterator[dict[str, Any]]],
-                         include_usage: bool) -> AsyncIterator[ServerSentEvent]:
+                         include_usage: bool, n: int) -> AsyncIterator[ServerSentEvent]:
     """The chunks of several choices as they come, each with its index, without event ids; an error
     ends the stream with an `{"error": ...}` event, as one choice's would."""
     try:
@@ -174,7 +193,7 @@ async def choices_stream(replies: list["Reply"], events: list[AsyncIterator[dict
         yield ServerSentEvent(data(e.body()))
         return
     if include_usage:
-        yield ServerSentEvent(data(replies[0].head(choices=[], usage=usage(*(r.end for r in replies)))))
+        yield ServerSentEvent(data(replies[0].head(choices=[], usage=usage_of(replies, n))))
     yield ServerSentEvent("[DONE]")
 
 

@@ -1,5 +1,7 @@
 """POST /v1/completions: raw text continued (no chat template), on a named session or a session
-of its own (`cmpl-...`, deleted once delivered), streamed with the same resumable event ids.
+of its own (`cmpl-...`, deleted once delivered), streamed with the same resumable event ids. A
+list of prompts is answered as that many requests (n choices of each, in one answer: choice
+k * n + i is the i-th of prompt k), each in a session of its own, in the engine's steps together.
 
 `echo`: the reply's text begins with the prompt (streamed: in a first chunk of its own); with
 `logprobs`, every prompt token has its entry too (`Session.append_scored`: the first token of a
@@ -27,7 +29,8 @@ router = APIRouter()
 async def completions(body: CompletionRequest, request: Request, who: Tenant = Depends(tenant),
                       x_session_id: str | None = Header(None), last_event_id: str | None = Header(None)):
     return await answer(request, body, who, x_session_id, last_event_id, reply_class=CompletionReply,
-                        route="completions", job={"kind": "complete", "prompt": body.prompt, "echo": body.echo})
+                        route="completions", job={"kind": "complete", "echo": body.echo},
+                        inputs=[{"prompt": prompt} for prompt in body.prompts()])
 
 
 class CompletionReply(Reply):

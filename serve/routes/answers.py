@@ -11,8 +11,8 @@ choices in order; the usage counts the prompt once and every choice's tokens; a 
 the choices' chunks as they come, each with its index, and carries no event ids (resuming is per
 session: `Last-Event-ID` goes with one-choice requests). Each session is kept as a prefix-cache
 entry afterwards, as a one-choice request's is. A completions request with a list of prompts is
-answered the same way: n choices of each prompt, in order (choice k * n + i: prompt k's i-th), its
-usage counting each prompt once.
+answered the same way: n choices of each prompt, in order (choice k * n + i: prompt k's i-th), the
+prompts read together (each one's first choice), its usage counting each prompt once.
 
 A request that names a session (`X-Session-Id`, or `session` in the body) runs on it; one that
 names none runs in a session of its own (`chatcmpl-...`, `cmpl-...`), made from the longest
@@ -131,9 +131,14 @@ async def answer_choices(request: Request, body, who: Tenant, common: dict[str, 
         runs.append(Run(session_job(svc, who, {**common, **given}, name, seed, from_prefix=not body.scores_prompt()),
                         who, name, id=request_id, route=route))
     streams = [svc.run(run) for run in runs]
-    try:  # the first choice's prompt read (and stored, chunk by chunk), then the others: they fork it
-        firsts = [await first_events(streams[0])]
-        firsts += await all_of([first_events(s) for s in streams[1:]])
+    try:  # each prompt's first choice reads it (and stores it, chunk by chunk), then the others: they fork it
+        leaders = range(0, len(streams), n)
+        firsts: list = [None] * len(streams)
+        for j, got in zip(leaders, await all_of([first_events(streams[j]) for j in leaders])):
+            firsts[j] = got
+        others = [j for j in range(len(streams)) if j % n]
+        for j, got in zip(others, await all_of([first_events(streams[j]) for j in others])):
+            firsts[j] = got
     except BaseException as e:
         await closed(streams)
         for run in (r for r in runs if r.started):

@@ -325,6 +325,24 @@ def check_parameters(functions: list[FunctionDef]) -> None:
                              f"hold a reply to ({str(e).removeprefix('bad response_format').lstrip(' :')})") from None
 
 
+def check_tool_choice(choice, names: list[str], fmt, format_field: str) -> None:
+    """A tool_choice against the request's tool names (`choice.named()`: the one a named choice calls)
+    and its own response format `fmt` (named `format_field`): with tools, the reply's format is theirs."""
+    if choice is not None and not isinstance(choice, str) and choice.named() not in names:
+        raise ValueError(f"it names {choice.named()!r}, which is not one of the tools")
+    if choice not in (None, "none", "auto") and not names:
+        raise ValueError("it asks for a tool call, but the request gives no tools")
+    if names and fmt is not None and fmt.type != "text":
+        raise ValueError(f"with tools the reply's format is theirs: give tools or {format_field}, not both")
+
+
+def tools_format(functions: list[FunctionDef], choice, parallel: bool | None) -> dict[str, Any]:
+    """The reply format of a request with tools (`tools.reply_format`): a named choice requires a call of it."""
+    choice = choice or "auto"
+    named = None if isinstance(choice, str) else choice.named()
+    return tools.reply_format(functions, "required" if named else choice, parallel is not False, only=named)
+
+
 class Tool(Strict):
     type: Literal["function"]
     function: FunctionDef
@@ -337,6 +355,9 @@ class NamedFunction(Strict):
 class NamedToolChoice(Strict):
     type: Literal["function"]
     function: NamedFunction
+
+    def named(self) -> str:
+        return self.function.name
 
 
 class ChatRequest(Sampling):
@@ -358,14 +379,8 @@ class ChatRequest(Sampling):
     @field_validator("tool_choice")
     @classmethod
     def _choice(cls, v, info):
-        names = [t.function.name for t in info.data.get("tools") or ()]
-        if isinstance(v, NamedToolChoice) and v.function.name not in names:
-            raise ValueError(f"it names {v.function.name!r}, which is not one of the tools")
-        if v not in (None, "none", "auto") and not names:
-            raise ValueError("it asks for a tool call, but the request gives no tools")
-        fmt = info.data.get("response_format")
-        if names and fmt is not None and fmt.type != "text":
-            raise ValueError("with tools the reply's format is theirs: give tools or a response_format, not both")
+        check_tool_choice(v, [t.function.name for t in info.data.get("tools") or ()], info.data.get("response_format"),
+                          "a response_format")
         return v
 
     @field_validator("top_logprobs")
@@ -380,10 +395,7 @@ class ChatRequest(Sampling):
 
     def format(self) -> dict[str, Any] | None:
         if self.tools:
-            choice = self.tool_choice or "auto"
-            return tools.reply_format([t.function for t in self.tools], choice if isinstance(choice, str) else "required",
-                                      self.parallel_tool_calls is not False,
-                                      only=None if isinstance(choice, str) else choice.function.name)
+            return tools_format([t.function for t in self.tools], self.tool_choice, self.parallel_tool_calls)
         return super().format()
 
     def plain_messages(self) -> list[dict[str, str]]:
@@ -518,6 +530,9 @@ class ResponseToolChoice(Strict):
     type: Literal["function"]
     name: str
 
+    def named(self) -> str:
+        return self.name
+
 
 class ConversationCreate(Strict):
     items: list[InputItem] | None = Field(None, max_length=20)
@@ -585,14 +600,9 @@ class ResponseRequest(Strict):
     @field_validator("tool_choice")
     @classmethod
     def _choice(cls, v, info):
-        names = [t.name for t in info.data.get("tools") or ()]
-        if isinstance(v, ResponseToolChoice) and v.name not in names:
-            raise ValueError(f"it names {v.name!r}, which is not one of the tools")
-        if v not in (None, "none", "auto") and not names:
-            raise ValueError("it asks for a tool call, but the request gives no tools")
         text = info.data.get("text")
-        if names and text is not None and text.format is not None and text.format.type != "text":
-            raise ValueError("with tools the reply's format is theirs: give tools or text.format, not both")
+        check_tool_choice(v, [t.name for t in info.data.get("tools") or ()], text.format if text is not None else None,
+                          "text.format")
         return v
 
     @field_validator("include")
@@ -649,10 +659,7 @@ class ResponseRequest(Strict):
     def format(self) -> dict[str, Any] | None:
         """The reply's response format as the library takes it (None: free text)."""
         if self.tools:
-            choice = self.tool_choice or "auto"
-            return tools.reply_format(self.tools, choice if isinstance(choice, str) else "required",
-                                      self.parallel_tool_calls is not False,
-                                      only=None if isinstance(choice, str) else choice.name)
+            return tools_format(self.tools, self.tool_choice, self.parallel_tool_calls)
         return self.text_format().library() if self.text_format() is not None else None
 
     def text_shown(self) -> dict[str, Any]:

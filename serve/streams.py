@@ -89,13 +89,16 @@ async def chained(first: list[dict[str, Any]], rest: AsyncIterator[dict[str, Any
         yield event
 
 
-def usage(end: dict[str, Any], *more: dict[str, Any]) -> dict[str, Any]:
+def usage(end: dict[str, Any], *more: dict[str, Any], per_prompt: int | None = None) -> dict[str, Any]:
     """A reply's usage from its end event; with the end events of a request's other choices (`more`),
-    the prompt counted once (the first choice's) and every choice's tokens."""
-    completion = end["completion_tokens"] + sum(e["completion_tokens"] for e in more)
-    return {"prompt_tokens": end["prompt_tokens"], "completion_tokens": completion,
-            "total_tokens": end["prompt_tokens"] + completion,
-            "prompt_tokens_details": {"cached_tokens": end["cached_tokens"]}}
+    each prompt counted once (its first choice's: every `per_prompt` ends share one prompt; None: all
+    of them) and every choice's tokens."""
+    ends = [end, *more]
+    firsts = ends[::per_prompt or len(ends)]
+    prompt = sum(e["prompt_tokens"] for e in firsts)
+    completion = sum(e["completion_tokens"] for e in ends)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(e["cached_tokens"] for e in firsts)}}
 
 
 def trace_line(event: dict[str, Any]) -> dict[str, Any]:

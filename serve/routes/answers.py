@@ -132,13 +132,10 @@ async def answer_choices(request: Request, body, who: Tenant, common: dict[str, 
                         who, name, id=request_id, route=route))
     streams = [svc.run(run) for run in runs]
     try:  # each prompt's first choice reads it (and stores it, chunk by chunk), then the others: they fork it
-        leaders = range(0, len(streams), n)
         firsts: list = [None] * len(streams)
-        for j, got in zip(leaders, await all_of([first_events(streams[j]) for j in leaders])):
-            firsts[j] = got
-        others = [j for j in range(len(streams)) if j % n]
-        for j, got in zip(others, await all_of([first_events(streams[j]) for j in others])):
-            firsts[j] = got
+        for group in ([j for j in range(len(streams)) if j % n == 0], [j for j in range(len(streams)) if j % n]):
+            for j, got in zip(group, await all_of([first_events(streams[j]) for j in group])):
+                firsts[j] = got
     except BaseException as e:
         await closed(streams)
         for run in (r for r in runs if r.started):
@@ -170,21 +167,9 @@ async def answer_choices(request: Request, body, who: Tenant, common: dict[str, 
     await all_of([svc.drop_session(run.spec["session"]) for run in runs])
     wholes = [r.whole() for r in replies]
     whole = {**wholes[0], "choices": [{**w["choices"][0], "index": i} for i, w in enumerate(wholes)],
-             "usage": usage_of(replies, n)}
+             "usage": usage(*(r.end for r in replies), per_prompt=n)}
     whole["kvstore"] = {**wholes[0]["kvstore"], "choices": [w["kvstore"] for w in wholes]}
     return JSONResponse(whole)
-
-
-def usage_of(replies: list["Reply"], n: int) -> dict[str, Any]:
-    """The usage of several choices, n of each prompt: each prompt counted once (its first choice's),
-    every choice's tokens."""
-    ends = [r.end for r in replies]
-    out = usage(*ends)
-    firsts = ends[::n]
-    out["prompt_tokens"] = sum(e["prompt_tokens"] for e in firsts)
-    out["prompt_tokens_details"]["cached_tokens"] = sum(e["cached_tokens"] for e in firsts)
-    out["total_tokens"] = out["prompt_tokens"] + out["completion_tokens"]
-    return out
 
 
 async def choices_stream(replies: list["Reply"], events: list[AsyncIterator[dict[str, Any]]],
@@ -198,7 +183,7 @@ async def choices_stream(replies: list["Reply"], events: list[AsyncIterator[dict
         yield ServerSentEvent(data(e.body()))
         return
     if include_usage:
-        yield ServerSentEvent(data(replies[0].head(choices=[], usage=usage_of(replies, n))))
+        yield ServerSentEvent(data(replies[0].head(choices=[], usage=usage(*(r.end for r in replies), per_prompt=n))))
     yield ServerSentEvent("[DONE]")
 
 

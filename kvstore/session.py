@@ -188,8 +188,11 @@ class Session:
     # -- feeding text and tokens -----------------------------------------------------------------
     def append_text(self, text: str, *, progress: Progress | None = None) -> int:
         """Tokenize `text` as is (no chat template) and prefill it; returns the number of tokens added."""
-        ids = self.model.tokenizer.encode(text, add_bos=None if not self.seq.tokens else False)
-        return self.append_tokens(ids, progress=progress)
+        return self.append_tokens(self._encoded(text), progress=progress)
+
+    def _encoded(self, text: str) -> list[int]:
+        """`text`'s ids as appended here: the model's BOS first only in an empty session."""
+        return self.model.tokenizer.encode(text, add_bos=None if not self.seq.tokens else False)
 
     def append_tokens(self, ids: list[int], *, progress: Progress | None = None) -> int:
         """Append ids and prefill them chunk by chunk, checkpointing after each chunk."""
@@ -213,7 +216,7 @@ class Session:
         self._check_open()
         self._seal_call()
         if isinstance(ids, str):
-            ids = self.model.tokenizer.encode(ids, add_bos=None if not self.seq.tokens else False)
+            ids = self._encoded(ids)
         first = len(self.seq.tokens)
         scored: dict[int, dict[str, Any]] = {}  # position -> its token's entry
         if ids and first and self.seq.hidden is not None:  # the state the first one is predicted from

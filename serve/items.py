@@ -98,8 +98,8 @@ def history_items(messages: list[dict[str, Any]], scope: str) -> list[tuple[int,
     offered = False  # whether the turn so far states tools
     for m in messages:
         ordinal, role, text = m["ordinal"], m["role"], m["text"]
-        if role == "system" and tools.stated_tools(text) is not None:
-            offered, text = True, own_text(text)
+        if role == "system" and (stated := tools.stated_tools(text)) is not None:
+            offered, text = True, stated[0]
             if not text:
                 continue
         if role == "assistant":

@@ -93,6 +93,11 @@ class TextPart(Strict):
     logprobs: list[Any] | None = None
 
 
+def joined(content: str | list[TextPart]) -> str:
+    """A content's text: the string, or its parts' texts in order."""
+    return content if isinstance(content, str) else "".join(p.text for p in content)
+
+
 def text_parts_only(v: Any) -> Any:
     """A content list's parts other than text (images, audio, files) are refused, saying so."""
     if isinstance(v, list):
@@ -143,7 +148,7 @@ class Message(Strict):
     def text(self) -> str:
         if self.content is None:
             return self.refusal or ""
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return joined(self.content)
 
     def plain(self) -> dict[str, str]:
         return {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
@@ -461,7 +466,7 @@ class InputMessage(Strict):
         return text_parts_only(v)
 
     def plain(self) -> dict[str, str]:
-        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        text = joined(self.content)
         return {"role": "system" if self.role == "developer" else self.role, "content": text}
 
 
@@ -495,7 +500,7 @@ class FunctionCallOutputItem(Strict):
         return text_parts_only(v)
 
     def text(self) -> str:
-        return self.output if isinstance(self.output, str) else "".join(p.text for p in self.output)
+        return joined(self.output)
 
 
 ITEM_TYPES = {"message": InputMessage, "function_call": FunctionCallItem, "function_call_output": FunctionCallOutputItem}

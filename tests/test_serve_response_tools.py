@@ -298,3 +298,54 @@ def test_the_real_model_in_a_stateless_agent_loop_calls_answers_and_reuses_the_h
                                          temperature=0, max_output_tokens=60)
         assert [o.type for o in second.output] == ["message"] and second.output_text
         assert second.usage.input_tokens_details.cached_tokens >= first.usage.total_tokens - 32
+
+
+def test_a_streamed_call_cut_by_kill_9_of_the_engine_or_the_server_comes_whole(tmp_path, model_folder):
+    """A long call (its argument 150-200 characters) streaming when its engine is killed, and again when
+    the whole server is killed and its client resends with the header's id: the response ends completed
+    with the calls an uninterrupted stream of the same request makes."""
+    import httpx
+    from serve_kit import LiveServer
+
+    note = {"type": "function", "name": "note", "parameters": {
+        "type": "object", "properties": {"text": {"type": "string", "pattern": "^[a-z ]{150,200}$"}},
+        "required": ["text"]}}
+    body = {"model": MODEL_NAME, "input": "set it up", "tools": [note], "tool_choice": "required",
+            "max_output_tokens": 400, "temperature": 0.9, "seed": 7, "stream": True}
+
+    def calls(events):
+        final = events[-1]["data"]["response"]
+        assert events[-1]["event"] == "response.completed", events[-1]
+        return [(o["name"], o["arguments"]) for o in final["output"]]
+
+    with LiveServer(tmp_path / "home", model_folder, "--chunk-size", str(CHUNK), "--threads", "1",
+                    "--checkpoint-every", "4") as server:
+        with server.http().stream("POST", "/v1/responses", json=body) as r:
+            whole = calls(sse(r))
+        assert len(json.loads(whole[0][1])["text"]) >= 150
+        engine = server.engine_pids()[0]
+        with httpx.stream("POST", server.url + "/v1/responses", json=body, timeout=120) as r:
+            lines = r.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))  # the header has begun
+            assert server.kill_engine() == engine
+            rest = sse(_Lines([first], lines))
+        assert server.engine_pids() != [engine] and calls(rest) == whole
+        with server.http().stream("POST", "/v1/responses", json=body) as r:
+            head = sse(r, limit=2)
+        server.kill()
+        server.start()
+        with server.http().stream("POST", "/v1/responses", json=body, headers={"Last-Event-ID": head[-1]["id"]}) as r:
+            resumed = sse(r)
+        assert calls(resumed) == whole and resumed[-1]["data"]["response"]["id"] == head[0]["data"]["response"]["id"]
+
+
+class _Lines:
+    """A response whose lines are some already read, then the rest (for `sse`)."""
+
+    def __init__(self, read, rest):
+        self.read, self.rest = read, rest
+
+    def iter_lines(self):
+        yield from self.read
+        yield ""
+        yield from self.rest

@@ -10,7 +10,7 @@ import torch
 
 import kvstore
 from kvstore.engine.buffers import HUGE_PAGE, PAGE, BufferPool, HugeArena, huge_pages, populate, small_pages
-from kvstore.engine.cache import POOL, POPULATE_AHEAD, KVCache
+from kvstore.engine.cache import POOL, POPULATE_AHEAD, VIEWS_KEPT, KVCache
 from memory_kit import thp_eligible
 
 
@@ -102,6 +102,30 @@ def test_memory_pooled_by_a_forward_is_ordinary_memory_for_its_next_user():
     assert POOL.held > 0 and not any(buf.is_inference() for buf in POOL._free)
     for buf in POOL._free:
         buf.fill_(7)  # outside inference mode: allowed on ordinary tensors only
+
+
+def test_a_pooled_buffer_keeps_its_views_for_the_next_cache_and_filling_gives_its_bytes_in_place():
+    """A cache views each pooled buffer as its layer's shape once per buffer and shape: the next cache
+    that borrows the buffer reuses the view (a warm open makes 30), ordinary tensors even when a
+    forward (inference mode) made them. `filling(raw=True)` hands the rows to fill as the bytes of
+    the cache's own memory."""
+    with torch.inference_mode():
+        cache = KVCache(2, 2, 8, dtype=torch.bfloat16, capacity=256)
+    views = {id(t) for t in cache.layers}
+    cache.release()
+    again = KVCache(2, 2, 8, dtype=torch.bfloat16, capacity=256)
+    assert {id(t) for t in again.layers} == views and not any(t.is_inference() for t in again.layers)
+    kv = torch.randn(10, 2, 2, 8).to(torch.bfloat16)
+    with again.filling(10, raw=True) as raw:
+        assert all(r.dtype == np.uint8 and r.nbytes == kv.numel() * 2 for r in raw)
+        for r in raw:
+            r[:] = kv.view(torch.uint8).reshape(-1).numpy()
+    assert again.length == 10 and all(torch.equal(s, kv) for s in again.state())
+    again.release()
+    wider = KVCache(2, 1, 8, dtype=torch.float32, capacity=256)  # the same bytes, another shape: other views
+    assert not {id(t) for t in wider.layers} & views and wider.layers[0].shape == (256, 2, 1, 8)
+    for flat in wider._flat:
+        assert len(flat.kv_views) <= VIEWS_KEPT
 
 
 def test_large_buffers_start_on_a_huge_page_and_occupy_no_more_than_their_size():

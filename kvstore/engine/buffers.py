@@ -161,6 +161,14 @@ BALLOONS = Path("/sys/bus/virtio/drivers/virtio_balloon")
 VIRTIO_BALLOON_F_REPORTING = 5  # the device's feature bit for free page reporting (virtio spec)
 
 
+def bytes_of(t: "torch.Tensor") -> np.ndarray:
+    """A contiguous CPU tensor's bytes as a uint8 array (no copy)."""
+    import torch
+
+    assert t.is_contiguous() and t.device.type == "cpu"
+    return t.reshape(-1).view(torch.uint8).numpy()
+
+
 @lru_cache(maxsize=1)
 def free_pages_reported() -> bool:
     """Whether a virtio balloon device of this (guest) system reports free pages to its host: the

@@ -27,10 +27,11 @@ import math
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
+import numpy as np
 import torch
 
 from ..errors import PoolFull, PoolTooSmall
-from .buffers import lasting_pages
+from .buffers import bytes_of, lasting_pages
 from .cache import POOL, populate_rows
 
 BLOCK_TOKENS = 16  # positions per block: a multiple of the attention kernel's key group
@@ -152,6 +153,11 @@ class BlockPool:
         return self.layers[layer].view(-1, 2, self.n_kv_heads, self.head_dim)
 
 
+def _shown(rows: torch.Tensor, raw: bool) -> torch.Tensor | np.ndarray:
+    """`filling`'s rows as given, or their bytes (raw)."""
+    return bytes_of(rows) if raw else rows
+
+
 class PagedCache:
     STATE_COPIES = True  # `state` returns copies, not views of the blocks (KVCache's are views)
 
@@ -257,7 +263,7 @@ class PagedCache:
         return torch.index_select(self.pool.flat(layer), 0, self.rows(start, end), out=out)
 
     @contextmanager
-    def filling(self, end: int) -> Iterator[list[torch.Tensor]]:
+    def filling(self, end: int, *, raw: bool = False) -> Iterator[list[torch.Tensor] | list[np.ndarray]]:
         """KVCache.filling: per layer rows `[end - length, 2, n_kv, hd]` to fill, valid when the block
         exits without an error: the blocks' own rows where positions length..end-1 sit in one run
         of pool rows that no other cache shares (a restore into a pool that is not cut up: its
@@ -271,14 +277,14 @@ class PagedCache:
         if end > start and int(rows[-1]) - int(rows[0]) == end - start - 1 and self._unshared(start, end):
             self._own(start, end)  # only forgets what the blocks held: their rows change
             first = int(rows[0])
-            yield [self.pool.flat(i)[first:first + end - start] for i in range(self.n_layers)]
+            yield [_shown(self.pool.flat(i)[first:first + end - start], raw) for i in range(self.n_layers)]
             self.length = end
             return
         per_layer = (end - start) * 2 * self.n_kv_heads * self.head_dim * self.dtype.itemsize
         buffers = [POOL.borrow(per_layer) for _ in range(self.n_layers)]
         try:
             rows = [b[:per_layer].view(self.dtype).view(end - start, *self.token_shape) for b in buffers]
-            yield rows
+            yield [_shown(r, raw) for r in rows]
             self._own(start, end)
             for i, r in enumerate(rows):
                 self.pool.flat(i).index_copy_(0, self.rows(start, end), r)

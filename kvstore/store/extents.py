@@ -177,10 +177,10 @@ def _read_direct(cache, run: list[ExtentRef], home: Path, session: str) -> None:
             if ref.blob is not None and ref.blob.hash not in blob_files:
                 blob_files[ref.blob.hash] = blobs.open_blob(home / "blobs", ref.blob.hash,
                                                             what=f"session {session!r}, extent {ref.extent_id}")
-        with cache.filling(end) as rows:  # per layer [end - start, 2, n_kv, hd], in the cache's memory
-            # each layer's bytes of the run, as uint8 views made here: torch calls in the workers would
-            # contend for the GIL (measured: 2k tokens, 120 views, 13 ms of the workers' time)
-            _fill([segments.as_bytes(r) for r in rows], cache.dtype.itemsize, run, home, session, blob_files)
+        # each layer's bytes of the run in the cache's memory, as uint8 views made here: torch calls in
+        # the workers would contend for the GIL (measured: 2k tokens, 120 views, 13 ms of the workers' time)
+        with cache.filling(end, raw=True) as rows:
+            _fill(rows, cache.dtype.itemsize, run, home, session, blob_files)
     finally:
         close_all(list(blob_files.values()))
 

@@ -285,6 +285,10 @@ class FaultyIO(PosixIO):
         self._gate("listdir", path)
         return super().listdir(path)
 
+    def sizes(self, path: Path) -> list[tuple[str, int]]:
+        self._gate("listdir", path)
+        return super().sizes(path)
+
     def fsync_dir(self, path: Path) -> None:
         self._gate("fsync_dir", path)
         super().fsync_dir(path)

@@ -61,10 +61,9 @@ def align(n: int) -> int:
 
 def as_bytes(t: "torch.Tensor") -> np.ndarray:
     """A contiguous CPU tensor's bytes as a uint8 array (no copy)."""
-    assert t.is_contiguous() and t.device.type == "cpu"
-    import torch  # here, not at the top: the index-only commands (list, show, rm, ...) never load torch
+    from ..engine.buffers import bytes_of  # here, not at the top: the index-only commands (list, show, rm, ...) never load torch
 
-    return t.reshape(-1).view(torch.uint8).numpy()
+    return bytes_of(t)
 
 
 def layer_bytes(layers) -> list[np.ndarray]:
@@ -272,10 +271,11 @@ def _undo(fds: list[int], opened: list[Path], made: list[Path], committed_end: i
 
 def truncate_uncommitted(directory: Path, committed_end: int) -> None:
     """Drop bytes a killed writer left after the last committed extent (recovery on open)."""
-    for path in io.listdir(directory):
-        if path.name.endswith(".tmp"):
-            io.unlink(path)
-        elif LAYER_FILE.fullmatch(path.name) and io.file_size(path) > committed_end:  # a stat: opens are rarer
+    for name, size in io.sizes(directory):
+        if name.endswith(".tmp"):
+            io.unlink(directory / name)
+        elif size > committed_end and LAYER_FILE.fullmatch(name):
+            path = directory / name
             fd = io.open(path)
             try:
                 if io.size(fd) > committed_end:

@@ -215,27 +215,49 @@ class Session:
         token's entry is the one a generation sampling it there would report, bit for bit."""
         self._check_open()
         self._seal_call()
-        if isinstance(ids, str):
-            ids = self._encoded(ids)
-        first = len(self.seq.tokens)
-        scored: dict[int, dict[str, Any]] = {}  # position -> its token's entry
-        if ids and first and self.seq.hidden is not None:  # the state the first one is predicted from
-            scored[first] = token_logprobs(self.model.head(self.seq.hidden).to("cpu"), ids[0], top)
-        self.seq.add(ids)
+        scoring = _Scoring(self, self._encoded(ids) if isinstance(ids, str) else list(ids), top)
+        self.seq.add(scoring.ids)
         self.checkpoint("tokens")
-        end = len(self.seq.tokens)
-
-        def rows(a: int, logits) -> None:  # [b - a, vocab]: row i predicts position a + i + 1
-            for i in range(logits.shape[0]):
-                if first <= a + i + 1 < end:  # (row i alone, in memory of its own: as a sampled token's row)
-                    scored[a + i + 1] = token_logprobs(logits[i].clone(), self.seq.tokens[a + i + 1], top)
-
-        for done in self._fed_chunks(rows):
+        for done in self._fed_chunks(scoring.rows):
             if progress is not None:
-                progress(done, end)
+                progress(done, len(self.seq.tokens))
         self.settle()
-        return [None if p not in scored else {"position": p, "token": self.seq.tokens[p], **scored[p]}
-                for p in range(first, first + len(ids))]
+        return scoring.entries()
+
+    def begin(self, prompt: list[int] | str, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, *, top: int | None = None,
+              stop: tuple[str, ...] = (), stop_at_eos: bool = True, response_format=None,
+              **sampling) -> list[dict[str, Any] | None] | None:
+        """Append `prompt` (ids, or text as `append_text` reads it) and start a generation after it
+        (`generate`'s settings), as one call: its tokens then come from `resume()`. The prompt is
+        recorded with the call, so a call stopped anywhere (a killed process) is finished by
+        `resume()` and its prompt is never appended twice (`append_tokens` then `generate` record
+        the prompt first and the call after: stopped in between, the prompt stands without a call).
+
+        With `top`, the prompt is scored as `append_scored` scores it and its entries are returned
+        (else None); a scored prompt is read first and recorded with the call once read (its rows'
+        logits are gone once computed, so a scoring stopped midway cannot be resumed): stopped
+        before, the session is as it was, and the same call can be made again."""
+        self._check_open()
+        settings, fmt = self._call_settings(max_new_tokens, sampling, response_format)
+        self._seal_call()
+        ids = self._encoded(prompt) if isinstance(prompt, str) else list(prompt)
+        if top is None:
+            self.seq.add(ids)
+            self._start_call("raw", max_new_tokens, stop, settings, stop_at_eos=stop_at_eos, **_format(fmt))
+            return None
+        scoring = _Scoring(self, ids, top)
+        hidden, cached, reusable = self.seq.hidden, self.seq.cache.length, self.seq.reusable
+        self.seq.add(ids)
+        try:
+            for _ in self.seq.prefill(scoring.rows):
+                pass
+        except BaseException:  # nothing of it was recorded: the session goes back to where it was
+            del self.seq.tokens[scoring.first:]
+            self.seq.cache.trim(cached)
+            self.seq.hidden, self.seq.reusable = hidden, reusable
+            raise
+        self._start_call("raw", max_new_tokens, stop, settings, feed=False, stop_at_eos=stop_at_eos, **_format(fmt))
+        return scoring.entries()
 
     def finish_prefill(self, *, progress: Progress | None = None) -> None:
         """Feed the pending tokens (a prefill that was killed, say), a checkpoint after each chunk;
@@ -514,3 +536,28 @@ def _close_open_sessions() -> None:
 def _format(fmt: str) -> dict[str, str]:
     """A call record's response format (`grammar.canonical`'s text), where the call has one."""
     return {"format": fmt} if fmt else {}
+
+
+class _Scoring:
+    """The entries of tokens a session is about to read (`append_scored`, `begin`): the first one's
+    from the state the session holds, each later one's from the logits row its prefill computes
+    before it (`rows`, `Sequence.prefill`'s callback)."""
+
+    def __init__(self, session: Session, ids: list[int], top: int):
+        self.session, self.ids, self.top = session, ids, top
+        self.first = len(session.seq.tokens)
+        self.scored: dict[int, dict[str, Any]] = {}  # position -> its token's entry
+        if ids and self.first and session.seq.hidden is not None:  # the state the first one is predicted from
+            self.scored[self.first] = token_logprobs(session.model.head(session.seq.hidden).to("cpu"), ids[0], top)
+
+    def rows(self, a: int, logits) -> None:
+        """`[b - a, vocab]`: row i predicts position a + i + 1."""
+        tokens, end = self.session.seq.tokens, self.first + len(self.ids)
+        for i in range(logits.shape[0]):
+            if self.first <= a + i + 1 < end:  # (row i alone, in memory of its own: as a sampled token's row)
+                self.scored[a + i + 1] = token_logprobs(logits[i].clone(), tokens[a + i + 1], self.top)
+
+    def entries(self) -> list[dict[str, Any] | None]:
+        tokens = self.session.seq.tokens
+        return [None if p not in self.scored else {"position": p, "token": tokens[p], **self.scored[p]}
+                for p in range(self.first, self.first + len(self.ids))]

@@ -51,8 +51,10 @@ class ApiError(Exception):
 
 
 def from_library(e: BaseException) -> ApiError:
-    """The ApiError for one of kvstore's errors (or a ValueError of bad input); a server_error for
-    anything else, with its one-line message and no traceback."""
+    """The ApiError for one of kvstore's errors (or a ValueError of bad input; an ApiError is itself);
+    a server_error for anything else, with its one-line message and no traceback."""
+    if isinstance(e, ApiError):  # an engine's job answering with one of its own
+        return e
     text = " ".join(str(e).split()) or type(e).__name__
     if isinstance(e, errors.ModelError) and CONTEXT in text:  # OpenAI's code for a prompt that does not fit
         return ApiError(400, text, code="context_length_exceeded")

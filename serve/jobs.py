@@ -10,16 +10,21 @@ different sessions interleave token by token. Kinds:
   unless the model computes every row alone), so the reply
   is byte-identical to the same request on a new session. The session's name then names the fork;
   the old branch stays as `NAME@N`.
-- `complete`: raw text appended to a session and continued (`/v1/completions`).
+- `complete`: raw text appended to a session and continued (`/v1/completions`), as one call that
+  records the prompt with the generation (`Session.begin`).
 - any job with `after` (a resumed stream): the reply that was interrupted after that position is
   replayed from the store and, if it was cut short, finished (`Session.resume`): only what comes
-  after `after` is sent.
+  after `after` is sent. A job run again after its engine died (`pool.Pool._resubmit`: `after` -1
+  where no token came) goes on from the call the dead engine recorded; a completion whose call had
+  ended is replayed from `base` (the session's length when it began, from its first start event)
+  instead of being appended again, and its echoed prompt is sent again where it never came
+  (`prompt_sent`); one recorded nothing runs afresh.
 - a `chat` or `complete` job with `prefix` (a request that names no session) starts its session
   from the longest stored prefix of its prompt (`prefix_cache.py`: contract C10);
 - `fork`, `delete`, `import`: the writes on stored sessions that need the writer's lock; `retain`:
   a request's own session kept as a prefix-cache entry, the entries evicted beyond the budget.
 
-Events: `start` (how the context was obtained), `prompt` (a completion with `echo`: the prompt's
+Events: `start` (how the context was obtained; a completion's on a named session: its `base`), `prompt` (a completion with `echo`: the prompt's
 text, and its tokens' entries where logprobs were asked for), `token` (replies.token_events), `end`
 (usage, finish reason) or `error` (an OpenAI-shaped error, `failures.py`).
 """
@@ -34,7 +39,7 @@ from typing import Any, Iterator
 import kvstore
 
 from . import prefix_cache
-from .failures import from_library
+from .failures import ApiError, from_library
 from .replies import ReplyText, Tokens, stored_pieces, token_events
 from .streams import END
 
@@ -131,31 +136,38 @@ def complete(engine, job: dict[str, Any]) -> Iterator[dict[str, Any]]:
     check_sampling(engine, job)
     text = job["prompt"] if isinstance(job["prompt"], str) else None  # else token ids, as they are
     tokens = Tokens.for_job(job, engine.model.tokenizer)
-    scored = None
+    top = None
     if job.get("prefix") is not None:  # a request of its own: from the longest stored prefix (C10)
         prompt = job["prompt"] if text is None else engine.model.tokenizer.encode(text, add_bos=None)  # as append_text
         session, how, restore, cached = prefix_cache.open_session(engine, job, prompt)
         yield {"event": "start", "context": how, **restore, "prefix_queried": len(prompt), "prefix_hit": cached}
-        session.append_tokens(prompt[len(session.tokens):])
+        given: list[int] | str = prompt[len(session.tokens):]
     else:
         session, how, restore = engine.writer(job["session"], create=job.get("create"))
         check_seed(session, job.get("seed"))
-        yield {"event": "start", "context": how if session.tokens else "computed", **restore, "created": how == "computed"}
+        # base: where the request's tokens begin, should it be run again after its engine died (`recorded_reply`)
+        yield {"event": "start", "context": how if session.tokens else "computed", **restore, "created": how == "computed",
+               "base": len(session.tokens)}
         cached = session.n_cached
         given = list(job["prompt"]) if text is None else text
-        if job.get("echo") and tokens.top_logprobs is not None:  # every prompt token's entry (no prefix reused)
-            scored = session.append_scored(given, top=tokens.top_logprobs)
-        elif text is None:
-            session.append_tokens(given)
-        else:
-            session.append_text(text)
-    if job.get("echo"):  # the prompt as the reply begins with it, and its tokens' entries where asked for
-        yield {"event": "prompt", "text": text if text is not None else engine.model.tokenizer.decode(job["prompt"]),
-               "logprobs": None if scored is None else [tokens.prompt_entry(e, token) for e, token in
-                                                        zip(scored, session.tokens[len(session.tokens) - len(scored):])]}
-    ids = session.generate(job["max_tokens"], trace=tokens, stop=tuple(job.get("stop") or ()),
+        if job.get("echo"):  # every prompt token's entry (a request of its own that scores reuses no prefix)
+            top = tokens.top_logprobs
+    # the prompt is recorded with the call (`Session.begin`): an engine that dies while it reads the
+    # prompt leaves a call that `resume` finishes (a prompt recorded before its call stood without one
+    # after such a death, and the request, run again, appended it a second time)
+    scored = session.begin(given, job["max_tokens"], top=top, stop=tuple(job.get("stop") or ()),
                            response_format=job.get("format"), **(job.get("sampling") or {}))
-    yield from reply(engine, session, session.text(ids), tokens, job, cached)
+    if job.get("echo"):
+        yield prompt_event(engine, job, tokens, scored, session.tokens)
+    yield from reply(engine, session, session.resume(trace=tokens), tokens, job, cached)
+
+
+def prompt_event(engine, job: dict[str, Any], tokens: Tokens, scored: list | None, held: list[int]) -> dict[str, Any]:
+    """The prompt as an echoing reply begins with it, and its tokens' entries where they were scored
+    (`scored`: the last of the session's tokens `held`)."""
+    text = job["prompt"] if isinstance(job["prompt"], str) else engine.model.tokenizer.decode(job["prompt"])
+    return {"event": "prompt", "text": text, "logprobs": None if scored is None else [
+        tokens.prompt_entry(e, token) for e, token in zip(scored, held[len(held) - len(scored):])]}
 
 
 def reply(engine, session, pieces, tokens: Tokens, job: dict[str, Any], cached: int, *, after: int = -1,
@@ -187,12 +199,22 @@ def resume(engine, job: dict[str, Any]) -> Iterator[dict[str, Any]]:
             raise
         session = None  # an engine that died before it created the session: run the request afresh
     call = session.active_call if session is not None else None
-    if job.get("reply_start") is None and call is None:  # it died before the reply began: nothing was sent
+    sent = job.get("reply_start")  # where the reply the client has began (None: it has no token of it)
+    start = sent if sent is not None or call is not None else recorded_reply(session, job)
+    if start is None and call is None:  # it died before it recorded anything: nothing was sent
         yield from KINDS[job["kind"]](engine, {**job, "after": None})
         return
     yield {"event": "start", "context": how, **restore}
-    start = int(job["reply_start"]) if job.get("reply_start") is not None else call["start"]
-    after = int(job["after"]) if job.get("reply_start") is not None else start - 1
+    tokens = Tokens.for_job(job, engine.model.tokenizer)
+    if job.get("echo") and sent is None and not job.get("prompt_sent"):  # the echoed prompt never reached the API
+        if tokens.top_logprobs is not None:
+            raise ApiError(503, f"the engine stopped after it had read and scored the prompt, before it sent the "
+                                f"scores; they cannot be sent again (the logits are gone once used). The prompt stands "
+                                f"in session {session.name!r}: resend the request to a new session", type="server_error",
+                           code="engine_failed")
+        yield prompt_event(engine, job, tokens, None, session.tokens)
+    start = int(start) if start is not None else call["start"]
+    after = int(job["after"]) if sent is not None else start - 1
     if after >= END and call is None:  # the client had the whole reply, up to its end event
         after = len(session.tokens) - 1
     known = call is not None or after + 1 <= len(session.tokens)  # a cut reply's client may be past its checkpoint
@@ -200,7 +222,6 @@ def resume(engine, job: dict[str, Any]) -> Iterator[dict[str, Any]]:
         raise kvstore.errors.InvalidArgument(
             f"Last-Event-ID does not name a position of the last reply of session {session.name!r}; "
             "resend the request without it")
-    tokens = Tokens.for_job(job, engine.model.tokenizer)
     tok = session.model.tokenizer
     stored = session.tokens[start:]
     pieces = stored_pieces(kvstore.StreamDecoder(tok), stored, start, tokens, tok.eos_ids)
@@ -211,6 +232,23 @@ def resume(engine, job: dict[str, Any]) -> Iterator[dict[str, Any]]:
         finish = "stop" if (stored and stored[-1] in tok.eos_ids) or len(stored) < job["max_tokens"] else "length"
     yield from reply(engine, session, pieces, tokens, job, session.n_cached, after=after, prompt_tokens=start,
                      finish=finish)
+
+
+def recorded_reply(session, job: dict[str, Any]) -> int | None:
+    """Where the reply began of a completion whose prompt an engine that died had recorded, its call
+    ended too (else `resume` goes on from the call): `base` (the session's length when the request
+    began, from its start event) plus the prompt's tokens. None where the session holds nothing past
+    `base`: nothing of the request was recorded."""
+    base = job.get("base")
+    if session is None or job["kind"] != "complete" or base is None or len(session.tokens) <= base:
+        return None
+    prompt = job["prompt"]
+    ids = list(prompt) if not isinstance(prompt, str) else \
+        session.model.tokenizer.encode(prompt, add_bos=None if base == 0 else False)  # as `Session.begin` read it
+    if session.tokens[base:base + len(ids)] != ids:
+        raise kvstore.errors.SessionBusy(f"session {session.name!r} changed while this request was interrupted; "
+                                         "resend it")
+    return base + len(ids)
 
 
 def manage(engine, job: dict[str, Any]) -> Iterator[dict[str, Any]]:

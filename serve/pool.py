@@ -38,6 +38,10 @@ class Job:
         self.reply_start: int | None = spec.get("reply_start")  # a resumed stream: where its reply began
         self.last_position = spec["after"] if spec.get("after") is not None else -1
         self.started = self.finished = False
+        # for a run again after its engine died (`jobs.resume`): the session's length when the request
+        # began (its first start event's `base`), and whether the echoed prompt came
+        self.base: int | None = spec.get("base")
+        self.prompt_sent = bool(spec.get("prompt_sent"))
 
 
 class Worker:
@@ -167,9 +171,13 @@ class Pool:
         if job is None or job.finished:
             return
         if kind == "start":
+            if job.base is None:
+                job.base = msg.pop("base", None)
             if job.started:
                 return  # a resumed job's second start: the client saw the first
             job.started = True
+        elif kind == "prompt":
+            job.prompt_sent = True
         elif kind == "token":
             if msg["position"] <= job.last_position:
                 return
@@ -210,7 +218,8 @@ class Pool:
             return
         if job.finished:
             return
-        spec = {**job.spec, "after": job.last_position, "reply_start": job.reply_start}
+        spec = {**job.spec, "after": job.last_position, "reply_start": job.reply_start, "base": job.base,
+                "prompt_sent": job.prompt_sent}
         self.workers[job.engine].send({"op": "run", "id": job.id, **spec})
 
     def _fail(self, job: Job) -> None:

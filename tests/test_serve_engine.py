@@ -172,3 +172,40 @@ def test_the_warm_up_leaves_the_first_chat_turn_nothing_to_import_or_compile(mod
         "print(sorted(before), sorted(after), model.tokenizer._template is not None)\n")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.split("\n")[0] == "[] ['jinja2', 'kvstore.session'] True", out.stdout + out.stderr
+
+
+def complete_job(job_id: str, **more) -> dict:
+    return {"op": "run", "id": job_id, "kind": "complete", "session": "doc", "prompt": " and then some more words",
+            "echo": True, "max_tokens": 6, "stop": [], "sampling": {"temperature": 0.0}, "trace": True,
+            "create": {"seed": 1, "chunk_size": CHUNK}, **more}
+
+
+def test_a_completion_run_again_after_its_engine_died_replays_what_it_recorded(tmp_path, model):
+    """The API process runs a job again when its engine dies (`pool.Pool._resubmit`: `after` -1 where
+    no token came). A completion whose prompt and reply the dead engine had recorded, its end event
+    lost, is replayed from the store from `base` (its first start event's session length), the
+    prompt not appended again; its echo is sent again where it had not come (`prompt_sent`)."""
+    store = kvstore.open_store(tmp_path / "home")
+    first = run_loop(store, model, [complete_job("first", prompt="Some words to begin with", echo=False)])
+    base = len(store.tokens("doc"))
+    sent = run_loop(store, model, [complete_job("cut")])
+    (start,) = [m for m in sent if m["event"] == "start"]
+    assert start["base"] == base and first
+    held = store.tokens("doc")
+
+    def again(**flags) -> list[dict]:
+        return [m for m in run_loop(store, model, [complete_job("again", after=-1, reply_start=None, **flags)])
+                if m["event"] != "stats"]
+
+    replayed = again(base=base, prompt_sent=False)
+    assert store.tokens("doc") == held  # nothing appended
+    tokens = lambda events: [m["position"] for m in events if m["event"] == "token"]  # noqa: E731
+    assert tokens(replayed) == tokens([m for m in sent if m["event"] != "stats"])
+    assert [m["text"] for m in replayed if m["event"] == "prompt"] == [" and then some more words"]
+    assert not [m for m in again(base=base, prompt_sent=True) if m["event"] == "prompt"]
+    (error,) = [m for m in again(base=base, prompt_sent=False, logprobs=1) if m["event"] == "error"]
+    assert error["code"] == "engine_failed" and "resend the request to a new session" in error["message"]
+    assert store.tokens("doc") == held
+    again(base=None)  # a job without its base (an engine before this one) runs afresh: the prompt twice
+    assert len(store.tokens("doc")) > len(held)
+    store.close()

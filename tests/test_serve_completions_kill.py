@@ -48,9 +48,10 @@ def _chunks(lines):
                 yield chunk
 
 
-def killed_while_reading(server, store, session: str, request) -> tuple[object, int]:
+def killed_while_reading(server, store, session: str, request) -> tuple[object, int | None]:
     """Run `request()` on a thread and kill the engine once `session`'s prompt is recorded and partly
-    read; (the request's result, the killed pid)."""
+    read; (the request's result, the killed pid, None where the prompt was read before this process
+    saw it partly read: on a busy machine the read can slip between two looks)."""
     before = store.info(session).n_tokens
     out: dict = {}
     t = threading.Thread(target=lambda: out.setdefault("result", request()))
@@ -61,8 +62,20 @@ def killed_while_reading(server, store, session: str, request) -> tuple[object, 
         if info.n_tokens > before and info.n_cached < info.n_tokens - 4 * CHUNK:  # chunks left to read
             killed = server.kill_engine()
     t.join(300)
-    assert killed is not None, "the prompt was read before the engine could be killed"
     return out["result"], killed
+
+
+def cut(server, store, prefix: str, request) -> tuple[str, object, int]:
+    """`request(session)` on fresh sessions `prefix-1`, `prefix-2`, ... (each given the same first turn)
+    until one is cut while its prompt is read: (that session, the result, the killed pid). An attempt
+    that is not cut is an ordinary request (`request`'s own checks hold for it)."""
+    for attempt in range(1, 5):
+        session = f"{prefix}-{attempt}"
+        complete(server, session, "Hello there.")
+        result, killed = killed_while_reading(server, store, session, lambda: request(session))
+        if killed is not None:
+            return session, result, killed
+    raise AssertionError("the prompt was read each time before the engine could be killed")
 
 
 def restarted(server) -> list[int]:
@@ -78,17 +91,16 @@ def restarted(server) -> list[int]:
 def test_a_named_sessions_prompt_cut_by_kill_9_while_read_is_held_once_and_answered(tmp_path, model_folder):
     with LiveServer(tmp_path / "home", model_folder, "--chunk-size", str(CHUNK), "--threads", "1") as server:
         store = kvstore.open_store(tmp_path / "home")
-        for name in ("uncut", "cut", "uncut-echo", "cut-echo"):
+        for name in ("uncut", "uncut-echo"):
             complete(server, name, "Hello there.")
         whole = complete(server, "uncut", PROMPT)
-        reply, killed = killed_while_reading(server, store, "cut", lambda: complete(server, "cut", PROMPT))
+        session, reply, killed = cut(server, store, "cut", lambda name: complete(server, name, PROMPT))
         assert killed not in restarted(server)
-        assert store.tokens("cut") == store.tokens("uncut")  # the prompt once, the same reply after it
+        assert store.tokens(session) == store.tokens("uncut")  # the prompt once, the same reply after it
         assert reply["choices"][0]["text"] == whole["choices"][0]["text"]
 
         echoed = streamed_text(server, "uncut-echo", PROMPT, echo=True)
-        text, _ = killed_while_reading(server, store, "cut-echo",
-                                       lambda: streamed_text(server, "cut-echo", PROMPT, echo=True))
+        session, text, _ = cut(server, store, "cut-echo", lambda name: streamed_text(server, name, PROMPT, echo=True))
         assert echoed.startswith(PROMPT) and text == echoed
-        assert store.tokens("cut-echo") == store.tokens("uncut-echo")
+        assert store.tokens(session) == store.tokens("uncut-echo")
         store.close()

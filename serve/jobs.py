@@ -200,8 +200,13 @@ def resume(engine, job: dict[str, Any]) -> Iterator[dict[str, Any]]:
         session = None  # an engine that died before it created the session: run the request afresh
     call = session.active_call if session is not None else None
     sent = job.get("reply_start")  # where the reply the client has began (None: it has no token of it)
-    start = sent if sent is not None or call is not None else recorded_reply(session, job)
-    if start is None and call is None:  # it died before it recorded anything: nothing was sent
+    if sent is not None:
+        start = int(sent)
+    elif call is not None:
+        start = call["start"]
+    else:
+        start = recorded_reply(session, job)
+    if start is None:  # it died before it recorded anything: nothing was sent
         yield from KINDS[job["kind"]](engine, {**job, "after": None})
         return
     yield {"event": "start", "context": how, **restore}
@@ -213,7 +218,6 @@ def resume(engine, job: dict[str, Any]) -> Iterator[dict[str, Any]]:
                                 f"in session {session.name!r}: resend the request to a new session", type="server_error",
                            code="engine_failed")
         yield prompt_event(engine, job, tokens, None, session.tokens)
-    start = int(start) if start is not None else call["start"]
     after = int(job["after"]) if sent is not None else start - 1
     if after >= END and call is None:  # the client had the whole reply, up to its end event
         after = len(session.tokens) - 1

@@ -10,6 +10,7 @@ session's index row shows the prompt recorded and not all of it read, watched fr
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -39,8 +40,6 @@ def streamed_text(server, session: str, prompt: str, **more) -> str:
 
 
 def _chunks(lines):
-    import json
-
     for line in lines:
         if line.startswith("data: ") and line != "data: [DONE]":
             chunk = json.loads(line[6:])

@@ -28,7 +28,7 @@ from typing import Any, Iterator
 
 from kvstore import errors
 
-from . import prefix_cache
+from . import jobs, prefix_cache
 from .jobs import converse, reply, resume
 from .replies import Tokens
 
@@ -86,18 +86,35 @@ def _snapshot(engine, job: dict[str, Any]) -> None:
 
 
 def conversation(engine, job: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    """A new conversation (a new session) holding `items`, or `items` appended to one."""
-    name = job["session"]
-    if job["kind"] == "conversation":
+    """A new conversation (a new session) holding `items`, or `items` appended to one.
+
+    Its start says how many messages the session held before the items (`base`). Run again after its
+    engine died (`base` given), the conversation the first run made is taken as made, and items that
+    stand at `base` already are the first run's, committed before its end event was lost (or the
+    same items, added there meanwhile by another request): answered as such, not added twice."""
+    name, items, base = job["session"], job.get("items") or [], job.get("base")
+    if job["kind"] == "conversation" and not (base is not None and jobs.exists(engine.store, name)):
         engine.store.check_new_name(name)
+        yield {"event": "start", "base": 0}  # a new conversation holds no message
         session, _, _ = engine.writer(name, create=job["create"])
     else:
-        session, _, _ = engine.writer(name)
+        session, _, _ = engine.writer(name, wait=base is not None)  # run again: its dead engine's lock goes
+        if base is None:
+            yield {"event": "start", "base": len(session.messages)}
+    if base is not None and _written(session.messages[base:base + len(items)], items):
+        yield {"event": "end", "session": name, "first": base, "count": len(items)}
+        return
     first = len(session.messages)
-    for m in job.get("items") or ():
+    for m in items:
         session.add_message(m["role"], m["content"])  # pending: fed with the next response's input
     session.checkpoint("items")
     yield {"event": "end", "session": name, "first": first, "count": len(session.messages) - first}
+
+
+def _written(stored: list[dict[str, Any]], items: list[dict[str, str]]) -> bool:
+    """Whether the stored messages are the items, role and text."""
+    return len(stored) == len(items) and all(s["role"] == m["role"] and s["text"] == m["content"]
+                                             for s, m in zip(stored, items))
 
 
 KINDS = {"response": response, "conversation": conversation, "items": conversation}

@@ -21,8 +21,10 @@ different sessions interleave token by token. Kinds:
   (`prompt_sent`); one recorded nothing runs afresh.
 - a `chat` or `complete` job with `prefix` (a request that names no session) starts its session
   from the longest stored prefix of its prompt (`prefix_cache.py`: contract C10);
-- `fork`, `delete`, `import`: the writes on stored sessions that need the writer's lock; `retain`:
-  a request's own session kept as a prefix-cache entry, the entries evicted beyond the budget.
+- `create`, `fork`, `delete`, `import`: the writes on stored sessions that need the model or the
+  writer's lock (create, fork and delete, run again after their engine died, answer a write found
+  done as done: `manage`); `retain`: a request's own session kept as a prefix-cache entry, the
+  entries evicted beyond the budget.
 
 Events: `start` (how the context was obtained; a completion's on a named session: its `base`), `prompt` (a completion with `echo`: the prompt's
 text, and its tokens' entries where logprobs were asked for), `token` (replies.token_events), `end`
@@ -257,22 +259,50 @@ def recorded_reply(session, job: dict[str, Any]) -> int | None:
 
 def manage(engine, job: dict[str, Any]) -> Iterator[dict[str, Any]]:
     """create / fork / delete / import / retain: the writes that need the model or the session's writer lock
-    (held here while the session is open)."""
+    (held here while the session is open).
+
+    create, fork and delete say `start` once their checks passed, just before they write: run again
+    after their engine died (`base` given: the first run got that far), a write found done is
+    answered as the first run would have answered it (the session made, the fork made, the session
+    gone) instead of as a conflict (409) or a missing session (404) the client never caused."""
     op, name = job["kind"], job["session"]
+    again = job.get("base") is not None
     if op == "create":
-        engine.store.create(name, engine.model, **job["settings"])
+        if not (again and exists(engine.store, name)):
+            engine.store.check_new_name(name)
+            yield writing()
+            engine.store.create(name, engine.model, **job["settings"])
     elif op == "fork":
-        engine.checkpoint(name)
-        engine.store.fork(name, job["new_name"], job.get("at"))
+        if not (again and exists(engine.store, job["new_name"])):
+            engine.checkpoint(name)
+            engine.store.check_new_name(job["new_name"])
+            yield writing()
+            engine.store.fork(name, job["new_name"], job.get("at"))
         name = job["new_name"]
     elif op == "delete":
-        engine.delete(name)
+        if not (again and not exists(engine.store, name)):
+            engine.store.info(name)  # SessionNotFound, before the start that says it was there
+            yield writing()
+            engine.delete(name)
     elif op == "import":
         name = engine.store.import_(job["path"], job.get("new_name"), engine.model)
     elif op == "retain":
         yield {"event": "end", "session": name, **prefix_cache.retain(engine, job)}
         return
     yield {"event": "end", "session": name}
+
+
+def writing() -> dict[str, Any]:
+    """A management job's start: its checks passed, it writes now (`manage`)."""
+    return {"event": "start", "base": 0}
+
+
+def exists(store, name: str) -> bool:
+    try:
+        store.info(name)
+    except kvstore.errors.SessionNotFound:
+        return False
+    return True
 
 
 def tokenize(engine, job: dict[str, Any]) -> Iterator[dict[str, Any]]:

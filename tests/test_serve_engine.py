@@ -209,3 +209,54 @@ def test_a_completion_run_again_after_its_engine_died_replays_what_it_recorded(t
     again(base=None)  # a job without its base (an engine before this one) runs afresh: the prompt twice
     assert len(store.tokens("doc")) > len(held)
     store.close()
+
+
+def test_writes_run_again_after_their_engine_died_answer_as_the_first_run_did(tmp_path, model):
+    """A write whose engine died after it committed, before its end event reached the API process, is
+    run again with its first start event's `base` (`pool.Pool._resubmit`). It answers as the first run
+    would have: a conversation's items are not added twice, a conversation, session or fork made is
+    taken as made (not a 409), a session deleted as deleted (not a 404). Without `base` (a run that
+    never got to its write) the same job is checked as new."""
+    store = kvstore.open_store(tmp_path / "home")
+    settings = {"seed": 1, "chunk_size": CHUNK}
+    items = [{"role": "user", "content": "Hello there"}, {"role": "assistant", "content": "Hi. What now?"}]
+
+    def events(kind: str, **spec) -> list[dict]:
+        return [m for m in run_loop(store, model, [{"op": "run", "id": kind, "kind": kind, **spec}])
+                if m["event"] != "stats"]
+
+    def again(kind: str, base, **spec) -> list[dict]:
+        return events(kind, after=-1, reply_start=None, base=base, **spec)
+
+    def error(sent: list[dict]) -> int:
+        (e,) = [m for m in sent if m["event"] == "error"]
+        return e["status"]
+
+    made = events("conversation", session="conv", create=settings, items=items)
+    assert [m["base"] for m in made if m["event"] == "start"] == [0] and made[-1]["count"] == 2
+    assert again("conversation", 0, session="conv", create=settings, items=items)[-1] == made[-1]
+    assert [(m.role, m.text) for m in store.messages("conv")] == [(m["role"], m["content"]) for m in items]
+    assert error(events("conversation", session="conv", create=settings, items=items)) == 409
+
+    more = [{"role": "user", "content": "Tell me more"}]
+    added = events("items", session="conv", items=more)
+    assert [m["base"] for m in added if m["event"] == "start"] == [2] and (added[-1]["first"], added[-1]["count"]) == (2, 1)
+    assert again("items", 2, session="conv", items=more)[-1] == added[-1]
+    assert len(store.messages("conv")) == 3
+    # a first run that died before its items were committed: they are added now
+    assert (again("items", 3, session="conv", items=more)[-1]["first"], len(store.messages("conv"))) == (3, 4)
+
+    for write in ({"kind": "create", "session": "fresh", "settings": settings},
+                  {"kind": "fork", "session": "conv", "new_name": "copy"}):
+        first = events(**write)
+        assert [m["base"] for m in first if m["event"] == "start"] == [0] and first[-1]["event"] == "end"
+        assert again(**write, base=0)[-1] == first[-1]
+        assert error(events(**write)) == 409
+    assert store.tokens("copy") == store.tokens("conv")
+
+    gone = events("delete", session="copy")
+    assert [m["base"] for m in gone if m["event"] == "start"] == [0] and gone[-1]["event"] == "end"
+    assert again("delete", 0, session="copy")[-1] == gone[-1]
+    assert error(events("delete", session="copy")) == 404
+    assert "copy" not in store.names() and {"conv", "fresh"} <= set(store.names())
+    store.close()

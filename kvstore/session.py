@@ -192,7 +192,7 @@ class Session:
 
     def _encoded(self, text: str) -> list[int]:
         """`text`'s ids as appended here: the model's BOS first only in an empty session."""
-        return self.model.tokenizer.encode(text, add_bos=None if not self.seq.tokens else False)
+        return self.model.tokenizer.encode_at(text, len(self.seq.tokens))
 
     def append_tokens(self, ids: list[int], *, progress: Progress | None = None) -> int:
         """Append ids and prefill them chunk by chunk, checkpointing after each chunk."""

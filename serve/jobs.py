@@ -140,7 +140,7 @@ def complete(engine, job: dict[str, Any]) -> Iterator[dict[str, Any]]:
     tokens = Tokens.for_job(job, engine.model.tokenizer)
     top = None
     if job.get("prefix") is not None:  # a request of its own: from the longest stored prefix (C10)
-        prompt = job["prompt"] if text is None else engine.model.tokenizer.encode(text, add_bos=None)  # as append_text
+        prompt = job["prompt"] if text is None else engine.model.tokenizer.encode_at(text, 0)  # as a new session reads it
         session, how, restore, cached = prefix_cache.open_session(engine, job, prompt)
         yield {"event": "start", "context": how, **restore, "prefix_queried": len(prompt), "prefix_hit": cached}
         given: list[int] | str = prompt[len(session.tokens):]
@@ -250,7 +250,7 @@ def recorded_reply(session, job: dict[str, Any]) -> int | None:
         return None
     prompt = job["prompt"]
     ids = list(prompt) if not isinstance(prompt, str) else \
-        session.model.tokenizer.encode(prompt, add_bos=None if base == 0 else False)  # as `Session.begin` read it
+        session.model.tokenizer.encode_at(prompt, base)  # as `Session.begin` read it
     if session.tokens[base:base + len(ids)] != ids:
         raise kvstore.errors.SessionBusy(f"session {session.name!r} changed while this request was interrupted; "
                                          "resend it")

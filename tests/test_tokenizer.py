@@ -83,6 +83,9 @@ def test_bos_is_added_only_when_the_model_asks_for_it(tiny, tmp_path):
     assert with_bos.encode("hi") == [with_bos.bos_id] + without.encode("hi")
     assert with_bos.encode("hi", add_bos=False) == without.encode("hi")
     assert without.encode("hi", add_bos=True) == with_bos.encode("hi")
+    # raw text appended to a sequence (a session's append_text, begin, a completion's prompt): BOS at the start only
+    assert with_bos.encode_at("hi", 0) == with_bos.encode("hi") and with_bos.encode_at("hi", 5) == without.encode("hi")
+    assert without.encode_at("hi", 0) == without.encode("hi")
 
 
 def test_stream_decoder_never_splits_a_character(toks):

@@ -57,6 +57,11 @@ class Tokenizer:
             ids = [self.bos_id] + ids
         return ids
 
+    def encode_at(self, text: str, at: int) -> list[int]:
+        """`text`'s ids as a sequence of `at` tokens appends them (raw text: `Session.append_text`,
+        `Session.begin`, a completion's prompt): the model's BOS first only at the start (at == 0)."""
+        return self.encode(text, add_bos=None if at == 0 else False)
+
     def decode(self, ids: Sequence[int], *, skip_special: bool = False) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special)
 

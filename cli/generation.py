@@ -279,12 +279,13 @@ def run_turn(s, text: str | None, o: Options, stops: "Stops") -> None:
         if not s.tokens:
             raise click.ClickException(f"session {s.name!r} is empty: give it input (--prompt, --file or stdin)")
         pieces = decode(s, s.generate(o.max_new_tokens, trace=o.trace, **o.call), stops)
-    elif o.raw:
-        timer = Timer()
+    elif o.raw:  # the text and the generation after it recorded as one call: stopped anywhere, `continue` finishes it
+        timer, before = Timer(), len(s.tokens)
         with prefill_bar(s.n_cached, on_chunk=stops.check) as bar:
-            added = s.append_text(text, progress=bar)
+            s.begin(text, o.max_new_tokens, progress=bar, **o.call)
+        added = s.active_call["start"] - before
         o.stat(f"prefill: {added:,} tokens in {timer.elapsed:.2f} s ({rate(added, timer.elapsed)})")
-        pieces = decode(s, s.generate(o.max_new_tokens, trace=o.trace, **o.call), stops)
+        pieces = s.resume(trace=o.trace)
     else:
         pieces = s.chat(text.strip(), o.max_new_tokens, trace=o.trace, **o.call)
     out, meter = Stream(), Meter(s, o.verbose)

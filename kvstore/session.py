@@ -226,7 +226,7 @@ class Session:
 
     def begin(self, prompt: list[int] | str, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, *, top: int | None = None,
               stop: tuple[str, ...] = (), stop_at_eos: bool = True, response_format=None,
-              **sampling) -> list[dict[str, Any] | None] | None:
+              progress: Progress | None = None, **sampling) -> list[dict[str, Any] | None] | None:
         """Append `prompt` (ids, or text as `append_text` reads it) and start a generation after it
         (`generate`'s settings), as one call: its tokens then come from `resume()`. The prompt is
         recorded with the call, so a call stopped anywhere (a killed process) is finished by
@@ -236,21 +236,25 @@ class Session:
         With `top`, the prompt is scored as `append_scored` scores it and its entries are returned
         (else None); a scored prompt is read first and recorded with the call once read (its rows'
         logits are gone once computed, so a scoring stopped midway cannot be resumed): stopped
-        before, the session is as it was, and the same call can be made again."""
+        before, the session is as it was, and the same call can be made again. `progress(done, total)`
+        gets the tokens read after each chunk of the prompt."""
         self._check_open()
         settings, fmt = self._call_settings(max_new_tokens, sampling, response_format)
         self._seal_call()
         ids = self._encoded(prompt) if isinstance(prompt, str) else list(prompt)
         if top is None:
             self.seq.add(ids)
-            self._start_call("raw", max_new_tokens, stop, settings, stop_at_eos=stop_at_eos, **_format(fmt))
+            self._start_call("raw", max_new_tokens, stop, settings, feed=False, stop_at_eos=stop_at_eos,
+                             **_format(fmt))
+            self.finish_prefill(progress=progress)
             return None
         scoring = _Scoring(self, ids, top)
         hidden, cached, reusable = self.seq.hidden, self.seq.cache.length, self.seq.reusable
         self.seq.add(ids)
         try:
-            for _ in self.seq.prefill(scoring.rows):
-                pass
+            for done in self.seq.prefill(scoring.rows):
+                if progress is not None:
+                    progress(done, len(self.seq.tokens))
         except BaseException:  # nothing of it was recorded: the session goes back to where it was
             del self.seq.tokens[scoring.first:]
             self.seq.cache.trim(cached)

@@ -264,6 +264,30 @@ def test_ctrl_c_checkpoints_exits_130_and_continue_finishes(model_dir, monkeypat
     assert store().tokens("int") == store().tokens("ref")
 
 
+def test_a_raw_prompt_stopped_while_it_is_read_is_finished_by_continue_never_read_twice(model_dir, monkeypatch):
+    """Raw text and the generation after it are one recorded call (`Session.begin`): Ctrl-C while the
+    text is read leaves the call, which `continue` finishes with its own length and settings, the
+    text read once (as the same `new` uninterrupted)."""
+    args = ["--raw", "-p", "The quick brown fox jumps over the lazy dog. " * 4, *SEEDED, "-n", "6", "--chunk-size", "8"]
+    kv("new", "ref", "--model", model_dir, *args)
+    real = Session.finish_prefill
+
+    def first_chunk_then_ctrl_c(self, *, progress=None):
+        def chunk_read(done, total):
+            progress(done, total)
+            raise KeyboardInterrupt
+        return real(self, progress=chunk_read)
+
+    monkeypatch.setattr(Session, "finish_prefill", first_chunk_then_ctrl_c)
+    r = kv("new", "cut", "--model", model_dir, *args, code=130)
+    assert "kvstore continue cut" in r.stderr
+    monkeypatch.setattr(Session, "finish_prefill", real)
+    cut = info("cut")
+    assert cut["active_call"] is not None and 0 < cut["checkpoints"] and len(store().tokens("cut")) < len(store().tokens("ref"))
+    kv("continue", "cut")
+    assert store().tokens("cut") == store().tokens("ref") and info("cut")["active_call"] is None
+
+
 def test_sigterm_stops_after_the_current_token_and_exits_143(model_dir, monkeypatch):
     make("ref", model_dir, *SEEDED, n=30)
     real_chat = Session.chat

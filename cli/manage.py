@@ -100,7 +100,9 @@ def history(app, session: str, as_json: bool):
         echo_json(entries)
         return
     for e in entries:
-        click.echo(f"--- {e['role']} (tokens {e['token_start']:,}-{e['token_end']:,})")
+        where = (f"restated at token {e['token_start']:,}: the one in effect, not read again" if kvstore.restated(e)
+                 else f"tokens {e['token_start']:,}-{e['token_end']:,}")
+        click.echo(f"--- {e['role']} ({where})")
         click.echo(e["text"])
 
 

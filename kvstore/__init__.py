@@ -26,7 +26,7 @@ from .engine.pull import pull  # eager: the function shares its module's name (a
 
 _WHERE = {
     "Store": "api", "open_store": "api", "Session": "session", "SessionInfo": "store.listing",
-    "SessionPage": "store.listing",
+    "SessionPage": "store.listing", "restated": "store.records",
     "load_model": "engine.model", "load_tokenizer": "engine.model", "Model": "engine.model",
     "models_dir": "engine.pull", "KVCache": "engine.cache", "Sequence": "engine.sequence",
     "TokenEvent": "engine.sequence", "SamplerSettings": "engine.settings", "StreamDecoder": "engine.tokenizer",

@@ -37,6 +37,7 @@ from .errors import InvalidArgument, KvstoreError
 from .store.index import SessionRow
 from .store.locking import SessionLock
 from .store.pack import pack_session
+from .store.records import restated
 from .store.prefix import Identity, new_keys
 from .store.progress import Progress
 from .store.records import fork_rows, read_messages
@@ -322,6 +323,28 @@ class Session:
         self._dirty = True
         return len(ids)
 
+    @property
+    def system_in_effect(self) -> str | None:
+        """The text of the last system message (the one the model reads as its instructions), or None."""
+        return next((m["text"] for m in reversed(self.messages) if m["role"] == "system"), None)
+
+    def restate_system(self, content: str) -> None:
+        """Record a system message that restates the one in effect without feeding it again: a client
+        that sends its instructions with every turn (OpenAI's Responses API asks that of clients that
+        continue a response) leaves them once in the context, not once per turn. The message stands
+        in the history with the turn (what reads the turn back, its instructions and tools, sees it)
+        and holds no tokens: a system message past the first token whose range is empty
+        (`restated`), which the chat template is never given again. InvalidArgument when `content`
+        is not the system message in effect, or the session holds no tokens yet."""
+        self._check_open()
+        self._seal_call()
+        if not self.seq.tokens or content != self.system_in_effect:
+            raise InvalidArgument(f"session {self.name!r}: only the system message in effect can be restated, "
+                                  "once the session holds tokens; add it with add_message")
+        at = len(self.seq.tokens)
+        self._set_message(len(self.messages), "system", content, at, at)
+        self._dirty = True
+
     def respond(self, messages: list[dict[str, str]], max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, *, trace=None,
                 stop: tuple[str, ...] = (), response_format=None, **sampling) -> Iterator[str]:
         """Answer a whole conversation (`{"role", "content"}` dicts, as an OpenAI request sends it)
@@ -352,7 +375,8 @@ class Session:
         yield from self._reply(max_new_tokens, stop, settings, trace, fmt)
 
     def _history(self) -> list[dict[str, str]]:
-        return [{"role": m["role"], "content": m["text"]} for m in self.messages]
+        """The messages the chat template has rendered into the context (restated ones left out)."""
+        return [{"role": m["role"], "content": m["text"]} for m in self.messages if not restated(m)]
 
     def _reply(self, max_new_tokens: int, stop, settings: SamplerSettings, trace, fmt: str) -> Iterator[str]:
         reply = len(self.messages)
@@ -565,3 +589,4 @@ class _Scoring:
         tokens = self.session.seq.tokens
         return [None if p not in self.scored else {"position": p, "token": tokens[p], **self.scored[p]}
                 for p in range(self.first, self.first + len(self.ids))]
+

@@ -9,7 +9,9 @@ names a session that holds the context up to the end of that response and is nev
   needs no writer lock and C7 holds whichever engine the response is pinned to;
 - `previous_response_id`: the response's session is a fork of the earlier one's (`base`), made at
   rest by the engine the new session is pinned to, which then opens it and chats the input on it.
-  Continuing from an older response is forking an older session: nothing else changes;
+  Continuing from an older response is forking an older session: nothing else changes. On either
+  path the input's instructions, when they are the ones in effect, are restated, not read again
+  (`unrepeated`);
 - neither: a new session (`create` gives its settings), made by reference from the longest stored
   prefix of the input's prompt where the prefix cache is on (`prefix`: as a chat request that names
   no session; a client that resends the whole history each turn, as agent frameworks do by default,
@@ -73,7 +75,20 @@ def _fresh(engine, job: dict[str, Any]) -> Iterator[dict[str, Any]]:
     cached = session.n_cached
     yield {"event": "start", "context": how if session.tokens else "computed", "message":
            len(session.messages) + len(messages), **restore}
-    yield from reply(engine, session, converse(session, messages, **args), tokens, job, cached)
+    yield from reply(engine, session, converse(session, unrepeated(session, messages), **args), tokens, job, cached)
+
+
+def unrepeated(session, messages: list[dict[str, str]]) -> list[dict[str, str]]:
+    """The input past a leading system message that restates the one in effect: the Responses API asks
+    clients that continue a response or a conversation to send their instructions (and tools) with
+    every turn; read again each turn they would fill the context. Restated, the message stands in the
+    turn (its instructions and tools read back from it) and adds no token (`Session.restate_system`)."""
+    first = messages[0] if messages else None
+    if first is None or first["role"] != "system" or len(messages) < 2 or not session.tokens \
+            or first["content"] != session.system_in_effect:
+        return messages
+    session.restate_system(first["content"])
+    return messages[1:]
 
 
 def _snapshot(engine, job: dict[str, Any]) -> None:

@@ -23,7 +23,8 @@ items added to a conversation) is its calls anywhere; a user message that is a t
 Not kept, so not returned: `metadata` (accepted, always `{}`), a request's `max_output_tokens`
 (null on GET), its `tool_choice` and `parallel_tool_calls` (which only narrow the reply's format: GET
 says "auto" and true where tools were offered). `instructions` on GET are the system messages among
-the response's input, `tools` the tools they state.
+the response's input, `tools` the tools they state (a system message restated, holding no tokens,
+reads back as the one it restates: `Session.restate_system`).
 """
 
 from __future__ import annotations

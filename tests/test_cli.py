@@ -419,6 +419,17 @@ def test_history_text_json_and_raw_spans(model_dir):
     assert "--- user" in kv("history", "h").stdout
 
 
+def test_history_says_where_a_system_message_was_restated_and_not_read_again(model_dir):
+    make("r", model_dir, "--system", "Be brief.")
+    with store().open("r", kvstore.load_model(model_dir)) as s:
+        s.restate_system("Be brief.")
+        at = len(s.tokens)
+        "".join(s.chat("and then?", max_new_tokens=2))
+    shown = kv("history", "r").stdout
+    assert f"--- system (restated at token {at:,}: the one in effect, not read again)\nBe brief." in shown
+    assert "--- system (tokens 0-0)" in shown  # the one the session was made with, read with the first turn
+
+
 def test_fork_all_and_at(model_dir):
     make("p", model_dir)
     n = info("p")["n_tokens"]

@@ -58,12 +58,15 @@ def checked_calls(output) -> list[tuple[str, dict]]:
     return out
 
 
-def lib_lines(session, request: dict, tmp_path) -> list[dict]:
+def lib_lines(session, request: dict, tmp_path, restated: bool = False) -> list[dict]:
     """The library's turn for a Responses request on `session`: its messages as the server converts
-    them, fed as context but the last, answered under the request's format; its trace lines."""
+    them, fed as context but the last (`restated`: the first, the instructions and tools in effect,
+    restated), answered under the request's format; its trace lines."""
     body = protocol.ResponseRequest(model=MODEL_NAME, **request)
     messages = body.input_messages()
     path = tmp_path / f"lib-{session.name}-{len(session.tokens)}.jsonl"
+    if restated:
+        session.restate_system(messages.pop(0)["content"])
     with single_thread():
         for m in messages[:-1]:
             session.add_message(m["role"], m["content"])
@@ -92,27 +95,35 @@ def test_an_agent_loop_on_previous_response_id_is_the_librarys_run(client, serve
 
     results = [{"type": "function_call_output", "call_id": item.call_id, "output": f"done {i}"}
                for i, item in enumerate(r1.output)]
-    second = {"input": results, "tools": TOOLS, "tool_choice": "none"}  # the answer to the results
+    # the answer to the results, then calls again; instructions and tools sent with every turn (as the
+    # agents SDK does: they are not carried over), restated, not read again
+    second = {"input": results, "instructions": "Be brief.", "tools": TOOLS, "tool_choice": "none"}
     r2 = respond(client, previous_response_id=r1.id, **second)
     assert [o.type for o in r2.output] == ["message"] and r2.output[0].role == "assistant"
     assert r2.usage.input_tokens_details.cached_tokens == r1.usage.total_tokens - 1  # r1's KV, not recomputed
+    third = {**first, "input": "and again"}
+    r3 = respond(client, previous_response_id=r2.id, **third)
+    assert checked_calls(r3.output) and r3.instructions == "Be brief."
 
     store = kvstore.open_store(tmp_path / "lib")
     with single_thread():
         model = kvstore.load_model(model_folder)
     with store.new("agent", model, seed=7, chunk_size=CHUNK) as s:
         lines1 = lib_lines(s, first, tmp_path)
-        lines2 = lib_lines(s, second, tmp_path)
+        lines2 = lib_lines(s, second, tmp_path, restated=True)
+        lines3 = lib_lines(s, third, tmp_path, restated=True)
     store.close()
-    assert r1.model_extra["kvstore"]["trace"] == lines1 and r2.model_extra["kvstore"]["trace"] == lines2  # bits
+    assert [r.model_extra["kvstore"]["trace"] for r in (r1, r2, r3)] == [lines1, lines2, lines3]  # bits
 
-    got1, got2 = client.responses.retrieve(r1.id), client.responses.retrieve(r2.id)
-    assert got1.output == r1.output and got2.output == r2.output  # the same items and call ids, from the store
-    same_object(r1, got1, but=("tool_choice",))  # tool_choice only narrows the format: not kept, GET says auto
-    same_object(r2, got2, but=("tool_choice",))
-    assert got1.tool_choice == got2.tool_choice == "auto" and got1.tools == r1.tools
-    inputs = client.responses.input_items.list(r2.id, order="asc").data
-    assert [(i.type, i.call_id, i.output) for i in inputs] == [
+    got1, got2, got3 = (client.responses.retrieve(r.id) for r in (r1, r2, r3))
+    # the same items and call ids, from the store (r3's calls read back under its restated tools)
+    assert (got1.output, got2.output, got3.output) == (r1.output, r2.output, r3.output)
+    for posted, got in ((r1, got1), (r2, got2), (r3, got3)):
+        same_object(posted, got, but=("tool_choice",))  # tool_choice only narrows the format: not kept, GET says auto
+    assert got1.tool_choice == got2.tool_choice == "auto" and got1.tools == r1.tools == got3.tools
+    inputs = client.responses.input_items.list(r2.id, order="asc").data  # its instructions (their text), the results
+    assert (inputs[0].type, inputs[0].role, inputs[0].content[0].text) == ("message", "system", "Be brief.")
+    assert [(i.type, i.call_id, i.output) for i in inputs[1:]] == [
         ("function_call_output", item.call_id, f"done {i}") for i, item in enumerate(r1.output)]
 
 

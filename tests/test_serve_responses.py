@@ -162,6 +162,31 @@ def test_previous_response_id_forks_by_reference(client, library, tmp_path):
     assert [i.content[0].text for i in client.responses.input_items.list(r3.id).data] == ["sleeps"]
 
 
+def test_instructions_sent_again_with_each_turn_are_read_once(client, library, tmp_path):
+    """Instructions are not carried over to a response that continues another, so clients send them
+    with every turn. The same instructions as the ones in effect stand in the turn (GET shows them)
+    but are not read again: the context grows by the new input only (the turn's bits are those of the
+    same turn sent without them), and the reply is the library's run with them restated; other
+    instructions are read."""
+    store, model = library
+    r1 = ask(client, "The fox", instructions="Be brief.", extra_body={"seed": 12})
+    r2 = ask(client, "runs on", instructions="Be brief.", previous_response_id=r1.id)
+    bare = ask(client, "runs on", previous_response_id=r1.id)
+    r3 = ask(client, "and then?", instructions="Be long.", previous_response_id=r2.id)
+    assert trace_of(r2) == trace_of(bare) and r2.usage.input_tokens == bare.usage.input_tokens
+    with store.new("restated", model, seed=12, chunk_size=16) as s:
+        s.add_message("system", "Be brief.")
+        _, lines1 = lib_turn(s, "The fox", tmp_path)
+        s.restate_system("Be brief.")
+        _, lines2 = lib_turn(s, "runs on", tmp_path)
+        s.add_message("system", "Be long.")
+        _, lines3 = lib_turn(s, "and then?", tmp_path)
+    assert [trace_of(r) for r in (r1, r2, r3)] == [lines1, lines2, lines3]
+    assert (r2.instructions, bare.instructions, r3.instructions) == ("Be brief.", None, "Be long.")
+    for r in (r2, bare, r3):
+        same_object(r, client.responses.retrieve(r.id))
+
+
 def test_output_items_sent_back_as_input_are_the_conversation(client):
     """A client that keeps the state itself sends the output items back as they came (with their
     annotations, logprobs, status, phase): they are the assistant's message."""

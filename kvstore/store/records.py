@@ -6,7 +6,8 @@
   its first checkpoint, its tokens), and `fork_rows` on top of it (KV extents and prefix keys
   shared by `share`, C5, C10);
 - reading: `read_tokens` (CorruptData when the blocks do not tile), `read_messages` (columns, not
-  ORM objects: they serve an ORM session or a plain connection, e.g. the open path's);
+  ORM objects: they serve an ORM session or a plain connection, e.g. the open path's), `restated`
+  (a message that restates the system message in effect and holds no tokens);
 - contract C2 on a head: `last_state_problem`;
 - what a session records of its model: `register_model`, `kv_layout`, `token_bytes`.
 """
@@ -28,6 +29,15 @@ from .index import (CheckpointRow, MessageRow, ModelRow, PrefixKeyRow, SegmentRo
 
 NAME = re.compile(r"[^\W_][\w.:@+-]{0,127}")
 MESSAGE_FIELDS = ("ordinal", "role", "text", "token_start", "token_end")
+
+
+def restated(message: dict[str, Any]) -> bool:
+    """Whether a stored message (a dict of `MESSAGE_FIELDS`) restates the system message in effect
+    (`Session.restate_system`): a system message past the first token that holds none. (A system
+    message that a session was made with, pending until its first turn, sits at 0. One that a chat
+    template rendered as nothing reads the same: left out of the history, it changes no rendering of
+    a template that renders each message alone.)"""
+    return message["role"] == "system" and message["token_start"] == message["token_end"] > 0
 
 
 def check_name(name: Any) -> str:

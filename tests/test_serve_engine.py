@@ -214,8 +214,8 @@ def test_a_completion_run_again_after_its_engine_died_replays_what_it_recorded(t
 def test_writes_run_again_after_their_engine_died_answer_as_the_first_run_did(tmp_path, model):
     """A write whose engine died after it committed, before its end event reached the API process, is
     run again with its first start event's `base` (`pool.Pool._resubmit`). It answers as the first run
-    would have: a conversation's items are not added twice, a conversation, session or fork made is
-    taken as made (not a 409), a session deleted as deleted (not a 404). Without `base` (a run that
+    would have: a conversation's items are not added twice, a conversation, session, fork or import
+    made is taken as made (not a 409), a session deleted as deleted (not a 404). Without `base` (a run that
     never got to its write) the same job is checked as new."""
     store = kvstore.open_store(tmp_path / "home")
     settings = {"seed": 1, "chunk_size": CHUNK}
@@ -254,9 +254,17 @@ def test_writes_run_again_after_their_engine_died_answer_as_the_first_run_did(tm
         assert error(events(**write)) == 409
     assert store.tokens("copy") == store.tokens("conv")
 
+    archive = tmp_path / "conv.kvs"
+    store.export("conv", archive)
+    write = {"kind": "import", "session": "imported", "path": str(archive), "new_name": "imported"}
+    first = events(**write)
+    assert [m["base"] for m in first if m["event"] == "start"] == [0] and first[-1]["session"] == "imported"
+    assert again(**write, base=0)[-1] == first[-1] and error(events(**write)) == 409
+    assert store.tokens("imported") == store.tokens("conv")
+
     gone = events("delete", session="copy")
     assert [m["base"] for m in gone if m["event"] == "start"] == [0] and gone[-1]["event"] == "end"
     assert again("delete", 0, session="copy")[-1] == gone[-1]
     assert error(events("delete", session="copy")) == 404
-    assert "copy" not in store.names() and {"conv", "fresh"} <= set(store.names())
+    assert "copy" not in store.names() and {"conv", "fresh", "imported"} <= set(store.names())
     store.close()

@@ -101,7 +101,7 @@ def test_an_agent_loop_on_previous_response_id_is_the_librarys_run(client, serve
     r2 = respond(client, previous_response_id=r1.id, **second)
     assert [o.type for o in r2.output] == ["message"] and r2.output[0].role == "assistant"
     assert r2.usage.input_tokens_details.cached_tokens == r1.usage.total_tokens - 1  # r1's KV, not recomputed
-    third = {**first, "input": "and again"}
+    third = {**first, "input": "and again", "parallel_tool_calls": False}  # one call: within LIMIT whatever the ids
     r3 = respond(client, previous_response_id=r2.id, **third)
     assert checked_calls(r3.output) and r3.instructions == "Be brief."
 
@@ -118,9 +118,12 @@ def test_an_agent_loop_on_previous_response_id_is_the_librarys_run(client, serve
     got1, got2, got3 = (client.responses.retrieve(r.id) for r in (r1, r2, r3))
     # the same items and call ids, from the store (r3's calls read back under its restated tools)
     assert (got1.output, got2.output, got3.output) == (r1.output, r2.output, r3.output)
-    for posted, got in ((r1, got1), (r2, got2), (r3, got3)):
-        same_object(posted, got, but=("tool_choice",))  # tool_choice only narrows the format: not kept, GET says auto
-    assert got1.tool_choice == got2.tool_choice == "auto" and got1.tools == r1.tools == got3.tools
+    # tool_choice and parallel_tool_calls only narrow the format: not kept, GET says auto and true
+    same_object(r1, got1, but=("tool_choice",))
+    same_object(r2, got2, but=("tool_choice",))
+    same_object(r3, got3, but=("tool_choice", "parallel_tool_calls"))
+    assert got1.tool_choice == got2.tool_choice == "auto" and got3.parallel_tool_calls is True
+    assert got1.tools == r1.tools == got3.tools
     inputs = client.responses.input_items.list(r2.id, order="asc").data  # its instructions (their text), the results
     assert (inputs[0].type, inputs[0].role, inputs[0].content[0].text) == ("message", "system", "Be brief.")
     assert [(i.type, i.call_id, i.output) for i in inputs[1:]] == [

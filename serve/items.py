@@ -81,13 +81,14 @@ def output_items(scope: str, ordinal: int, text: str, status: str, logprobs: lis
     """The output items of an assistant message: a message, or, where tools were `offered`, the calls
     its text makes (`function_call` items) or the message of its response's text."""
     if offered:
-        parsed = tools.parse(text, "stop" if status == "completed" else "length")
+        finish = "stop" if status == "completed" else "length"
+        parsed = tools.parse(text, finish)
         if isinstance(parsed, list):
             key = f"{scope}:{ordinal}"
             return [{"type": "function_call", "id": f"fc_{scope}_{ordinal}_{i}", "call_id": tools.call_id(key, i),
                      "name": name, "arguments": arguments, "status": "completed"}
                     for i, (name, arguments) in enumerate(parsed)]
-        text = parsed
+        text, logprobs = parsed, tools.response_entries(logprobs, text, finish)
     return [message_item(item_id(scope, ordinal), "assistant", text, status, logprobs)]
 
 

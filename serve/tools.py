@@ -20,7 +20,8 @@ result as a user message `{"tool_result":{"tool_call_id":ID,"content":TEXT}}`. C
 assistant's messages back as they got them (arguments verbatim), so the same conversion gives the
 stored text again and the session goes on from its KV (jobs.plan); a history that converts
 differently (a conversation that gave no tools before) is answered as a cold run, as any edited
-history is. A reply cut by max_tokens is returned as the text it is (finish_reason "length").
+history is. A reply cut by max_tokens (finish_reason "length") is its response's text so far
+(`cut_response`), or, cut in its calls, the text it is.
 Stored messages read back (`stated_tools`, `read_result`) give the Responses API its items again.
 
 A function here is anything with `name`, `description` and `parameters` (protocol.FunctionDef).
@@ -193,7 +194,62 @@ def parse(text: str, finish: str) -> list[tuple[str, str]] | str:
         return [(c["name"], compact(c["arguments"])) for c in value["tool_calls"]]
     if isinstance(value, dict) and isinstance(value.get("response"), str):
         return value["response"]
+    if finish != "stop" and text.startswith(RESPONSE_OPENING):
+        return cut_response(text)
     return text
+
+
+RESPONSE_OPENING = '{"response":"'
+
+
+def cut_response(text: str) -> str:
+    """The text so far of a response cut by the token limit (`{"response":"...`, its end not written):
+    its JSON string decoded up to where it stops, an escape cut in half (or half a surrogate pair) left
+    out. Text that does not decode (it cannot come from the format) is returned as it is."""
+    body = text[len(RESPONSE_OPENING):]
+    try:
+        decoded = json.loads('"' + body[:_string_end(body)[0]] + '"')
+    except ValueError:
+        return text
+    return decoded[:-1] if decoded and "\ud800" <= decoded[-1] <= "\udbff" else decoded
+
+
+def _string_end(body: str) -> tuple[int, bool]:
+    """(where a JSON string's text that began before `body` ends in it, whether its closing quote is
+    there): at that quote, else at an escape cut in half, else at the end."""
+    i = 0
+    while i < len(body):
+        if body[i] == "\\":
+            need = 6 if body[i + 1:i + 2] == "u" else 2  # \uXXXX or \n, \", ...
+            if i + need > len(body):
+                return i, False
+            i += need
+        elif body[i] == '"':
+            return i, True
+        else:
+            i += 1
+    return len(body), False
+
+
+def response_entries(entries: list | None, text: str, finish: str) -> list | None:
+    """The logprobs entries (one per token, OpenAI's `{"token", "bytes", "logprob", "top_logprobs"}`) of
+    a reply that could call tools, for what it shows: a response's entries are those of the tokens
+    that write its text, not of those wholly inside the format's `{"response":"` and `"}`; a reply of
+    calls keeps every token's (the calls' JSON). Entries that do not spell the text byte for byte (a
+    resumed reply's replayed tokens have none) are left as they are."""
+    if not entries or not text.startswith(RESPONSE_OPENING) or parse(text, finish) == text \
+            or any(e is None for e in entries):
+        return entries  # not a response (calls, or text the format did not finish)
+    raw = text.encode()
+    if sum(len(e["bytes"] or ()) for e in entries) != len(raw):
+        return entries
+    closing = 2 if finish == "stop" else int(_string_end(text[len(RESPONSE_OPENING):])[1])  # '"}', or its '"'
+    first, last, at, kept = len(RESPONSE_OPENING), len(raw) - closing, 0, []
+    for e in entries:
+        start, at = at, at + len(e["bytes"] or ())
+        if at > first and start < last:
+            kept.append(e)
+    return kept
 
 
 def written_calls(text: str) -> bool:

@@ -84,6 +84,25 @@ def test_a_named_tool_choice_calls_that_tool_once_without_parallel_calls(server)
     assert len(calls) == 1 and calls[0][0] == "flag"
 
 
+def test_a_response_beside_tools_is_its_text_and_the_logprobs_of_its_tokens(server):
+    """tool_choice none, cut by the token limit: the content is the response's text so far, not the
+    format's JSON, and the logprobs report its tokens, not the format's opening (chat and Responses)."""
+    client = server.client()
+    reply = client.chat.completions.create(model=MODEL_NAME, messages=ASK, tools=TOOLS, tool_choice="none", max_tokens=12,
+                                           logprobs=True, seed=5, extra_body={"kvstore_trace": True})
+    choice, lines = reply.choices[0], reply.model_extra["kvstore"]["trace"]
+    assert choice.finish_reason == "length" and not choice.message.content.startswith('{"')
+    shown = b"".join(bytes(e.bytes) for e in choice.logprobs.content).decode("utf-8", "replace")
+    assert 0 < len(choice.logprobs.content) < len(lines) and '{"response":"' not in shown
+    assert choice.message.content[:3] in shown  # the tokens that write it
+    answer = client.responses.create(model=MODEL_NAME, input="set it up", max_output_tokens=12, tools=[
+        {"type": "function", **t["function"]} for t in TOOLS], tool_choice="none", include=["message.output_text.logprobs"],
+        extra_body={"seed": 5})
+    (text,) = answer.output[0].content
+    assert answer.status == "incomplete" and not text.text.startswith('{"') and text.text[:3] in "".join(
+        bytes(e.bytes).decode("utf-8", "replace") for e in text.logprobs)
+
+
 def test_the_conversation_goes_on_from_the_sessions_kv_with_the_results(server):
     """The calls sent back as the SDK returned them and each one's result: the next turn feeds only
     those (its cached tokens are all the stored session computed), and the session holds them as text."""
@@ -187,6 +206,39 @@ def test_a_reply_is_shaped_as_tool_calls_a_response_or_its_text():
     assert tools.shape('{"tool_calls":[{"name":"fl', "length", "r") == ({"content": '{"tool_calls":[{"name":"fl'}, "length")
 
 
+def test_a_response_cut_by_the_token_limit_is_its_text_so_far():
+    """Not the format's JSON: the response's string decoded up to the cut, an escape cut in half left out."""
+    cut = {'{"response":"Hello, I\'m a Py': "Hello, I'm a Py", '{"response":"': "",
+           '{"response":"a\\': "a", '{"response":"a\\n': "a\n", '{"response":"a\\u00': "a",
+           '{"response":"a\\u00e9': "a\u00e9", '{"response":"say \\"hi\\" now': 'say "hi" now',
+           '{"response":"done"': "done", '{"response":"x\\ud83d': "x", '{"response":"x\\ud83d\\ude00': "x\U0001f600"}
+    for text, shown in cut.items():
+        assert tools.shape(text, "length", "r") == ({"content": shown}, "length"), text
+        assert tools.parse(text, "length") == shown
+    assert tools.parse('{"response":"done"}', "stop") == "done"
+    assert tools.parse('{"response":"\\x', "length") == '{"response":"\\x'  # not JSON: as it is
+
+
+def test_a_responses_logprobs_are_those_of_its_own_text():
+    """A reply held to the tool format reports, for a response, the entries of the tokens that write
+    its text (a token that straddles the format's edge included), not those wholly inside the format's
+    `{"response":"` and `"}`; calls keep every token's; entries that do not spell the text stay as they are."""
+    def entries(*pieces):
+        return [{"token": p, "bytes": list(p.encode()), "logprob": -1.0, "top_logprobs": []} for p in pieces]
+
+    def kept(pieces, finish):
+        return [e["token"] for e in tools.response_entries(entries(*pieces), "".join(pieces), finish)]
+
+    assert kept(['{"', "response", '":', '"', "Hi", " there", '"}'], "stop") == ["Hi", " there"]
+    assert kept(['{"response":"Hi', " there", '"', "}"], "stop") == ['{"response":"Hi', " there"]
+    assert kept(['{"', "response", '":"', "Hi"], "length") == ["Hi"]
+    assert kept(['{"', "response", '":"', "Hi", '"'], "length") == ["Hi"]  # cut before its closing brace
+    calls = ['{"tool_calls":[{"name":"flag","arguments":{"on":true}}]}']
+    assert kept(calls, "stop") == calls
+    gaps = [None, *entries(" there", '"}')]
+    assert tools.response_entries(gaps, '{"response":"Hi there"}', "stop") == gaps
+
+
 def test_tool_choice_narrows_the_format_and_the_prompt_stays_the_same():
     def request(choice):
         return protocol.ChatRequest(model="m", messages=ASK, tools=TOOLS, tool_choice=choice)
@@ -222,7 +274,7 @@ def test_the_real_model_calls_a_tool_well_formed_and_answers_its_result(tmp_path
                                                 temperature=0, max_tokens=60, extra_body={"session": "weather"})
         answer = second.choices[0]
         assert answer.message.tool_calls is None and answer.message.content
-        assert answer.finish_reason == "length" or not answer.message.content.startswith('{"response"')
+        assert not answer.message.content.startswith('{"response"')  # its text, cut by the limit or not
         assert second.usage.prompt_tokens_details.cached_tokens > first.usage.prompt_tokens
 
 

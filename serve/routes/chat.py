@@ -47,11 +47,17 @@ class ChatReply(Reply):
             return {"content": text}, finish
         return tools.shape(text, finish, f"{self.run.public}:{self.start}")  # a resumed reply's calls: the same ids
 
+    def shown_logprobs(self) -> dict[str, Any] | None:
+        """The choice's logprobs: of every token, or of a tool-format response's own text (`tools.response_entries`)."""
+        if not self.buffered or self.logprobs is None:
+            return chat_logprobs(self.logprobs)
+        return chat_logprobs(tools.response_entries(self.logprobs, "".join(self.text), self.end["finish_reason"]))
+
     def whole(self) -> dict[str, Any]:
         fields, finish = self.message()
         return self.head(object="chat.completion", choices=[
             {"index": 0, "message": {"role": "assistant", **fields}, "finish_reason": finish,
-             "logprobs": chat_logprobs(self.logprobs)}], usage=usage(self.end), kvstore=self.extras())
+             "logprobs": self.shown_logprobs()}], usage=usage(self.end), kvstore=self.extras())
 
     def last(self, **extra) -> dict[str, Any]:
         """A buffered reply's one chunk with its message (the tool calls, with their index, or the text)."""
@@ -62,7 +68,7 @@ class ChatReply(Reply):
         if self.trace:
             extra["kvstore"] = {**extra.get("kvstore", {}), "trace": self.lines}
         return self.head(choices=[{"index": 0, "delta": delta, "finish_reason": finish,
-                                   "logprobs": chat_logprobs(self.logprobs)}], **extra)
+                                   "logprobs": self.shown_logprobs()}], **extra)
 
     def opening(self) -> list[dict[str, Any]]:
         return [self.head(choices=[{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,

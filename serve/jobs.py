@@ -22,8 +22,8 @@ different sessions interleave token by token. Kinds:
 - a `chat` or `complete` job with `prefix` (a request that names no session) starts its session
   from the longest stored prefix of its prompt (`prefix_cache.py`: contract C10);
 - `create`, `fork`, `delete`, `import`: the writes on stored sessions that need the model or the
-  writer's lock (create, fork, delete and a named import, run again after their engine died,
-  answer a write found done as done: `manage`); `retain`: a request's own session kept as a prefix-cache entry, the
+  writer's lock (create, fork, delete and import, run again after their engine died, answer a
+  write found done as done: `manage`); `retain`: a request's own session kept as a prefix-cache entry, the
   entries evicted beyond the budget.
 
 Events: `start` (how the context was obtained; a completion's on a named session: its `base`), `prompt` (a completion with `echo`: the prompt's
@@ -261,8 +261,8 @@ def manage(engine, job: dict[str, Any]) -> Iterator[dict[str, Any]]:
     """create / fork / delete / import / retain: the writes that need the model or the session's writer lock
     (held here while the session is open).
 
-    create, fork, delete and a named import say `start` once their checks passed, just before they
-    write: run again after their engine died (`base` given: the first run got that far), a write
+    create, fork, delete and import say `start` once their checks passed, just before they write:
+    run again after their engine died (`base` given: the first run got that far), a write
     found done is answered as the first run would have answered it (the session made, the fork or
     import made, the session gone) instead of as a conflict (409) or a missing session (404) the
     client never caused."""
@@ -286,14 +286,11 @@ def manage(engine, job: dict[str, Any]) -> Iterator[dict[str, Any]]:
             yield writing()
             engine.delete(name)
     elif op == "import":
-        named = job.get("new_name")  # else the archive's own name, known once it is read: checked as new
-        if named is not None and again and exists(engine.store, named):
-            name = named
-        else:
-            if named is not None:
-                engine.store.check_new_name(named)
-                yield writing()
-            name = engine.store.import_(job["path"], named, engine.model)
+        name = job.get("new_name") or engine.store.archive_name(job["path"])  # by default the archive's own
+        if not (again and exists(engine.store, name)):
+            engine.store.check_new_name(name)
+            yield writing()
+            engine.store.import_(job["path"], name, engine.model)
     elif op == "retain":
         yield {"event": "end", "session": name, **prefix_cache.retain(engine, job)}
         return

@@ -261,6 +261,11 @@ def test_writes_run_again_after_their_engine_died_answer_as_the_first_run_did(tm
     assert [m["base"] for m in first if m["event"] == "start"] == [0] and first[-1]["session"] == "imported"
     assert again(**write, base=0)[-1] == first[-1] and error(events(**write)) == 409
     assert store.tokens("imported") == store.tokens("conv")
+    store.export("fresh", tmp_path / "fresh.kvs")  # unnamed: the archive's own name, free again
+    store.delete("fresh")
+    write = {"kind": "import", "session": "import-x", "path": str(tmp_path / "fresh.kvs")}
+    first = events(**write)
+    assert first[-1]["session"] == "fresh" and again(**write, base=0)[-1] == first[-1] and error(events(**write)) == 409
 
     gone = events("delete", session="copy")
     assert [m["base"] for m in gone if m["event"] == "start"] == [0] and gone[-1]["event"] == "end"

@@ -26,6 +26,13 @@ from .records import add_session, check_name, claim_name
 ALREADY = "import with another name (--as NAME)"
 
 
+def archive_name(path: Path) -> str:
+    """The name of the session an archive holds (its manifest checked, nothing else read): the name
+    `import_session` gives the session when it is given none."""
+    manifest, _, data_size = read_manifest(path)
+    return check_name(validate(manifest, data_size, path.name)["session"]["name"])
+
+
 def import_session(store, path: Path, name: str | None, model, progress: Progress | None = None) -> str:
     """Verify the archive at `path` completely, then commit it as a new session; returns its name.
     `progress(done, total)` gets the KV bytes inflated and verified so far after each extent."""

@@ -27,7 +27,7 @@ from ..fileio import io, make_dir
 from .export import export_session
 from .gc import collect
 from .identity import bind_home
-from .import_archive import import_session
+from .import_archive import archive_name, import_session
 from . import extents, prefix, restore, segments, workers
 from .index import MessageRow, ModelRow, PrefixEntryRow, SessionRow, make_engine, shown_url, upgrade
 from .listing import PAGE_SIZE, SessionInfo, SessionPage, check_page, count, read_infos, read_page
@@ -322,6 +322,10 @@ class Store:
                 progress: Progress | None = None) -> str:
         """Verify an archive fully, then commit it as a new session; `progress` gets KV bytes verified."""
         return import_session(self, Path(path), name, model, progress)
+
+    def archive_name(self, path: str | os.PathLike) -> str:
+        """The session name an archive holds (its manifest checked): what `import_` names it by default."""
+        return archive_name(Path(path))
 
     def pack(self, name: str, *, progress: Progress | None = None) -> dict[str, int]:
         """Pack a paused session without loading its model; `progress` gets KV bytes packed."""

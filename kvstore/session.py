@@ -37,10 +37,9 @@ from .errors import InvalidArgument, KvstoreError
 from .store.index import SessionRow
 from .store.locking import SessionLock
 from .store.pack import pack_session
-from .store.records import restated
 from .store.prefix import Identity, new_keys
 from .store.progress import Progress
-from .store.records import fork_rows, read_messages
+from .store.records import fork_rows, read_messages, restated
 from .store.restore import load_shared_cache, snapshot, stored_hidden
 
 _OPEN: "weakref.WeakSet[Session]" = weakref.WeakSet()  # closed at exit, while the interpreter still works
@@ -589,4 +588,3 @@ class _Scoring:
         tokens = self.session.seq.tokens
         return [None if p not in self.scored else {"position": p, "token": tokens[p], **self.scored[p]}
                 for p in range(self.first, self.first + len(self.ids))]
-

@@ -30,7 +30,7 @@ from typing import Any, Iterator
 
 from kvstore import errors
 
-from . import jobs, prefix_cache
+from . import prefix_cache
 from .jobs import converse, reply, resume
 from .replies import Tokens
 
@@ -108,7 +108,7 @@ def conversation(engine, job: dict[str, Any]) -> Iterator[dict[str, Any]]:
     stand at `base` already are the first run's, committed before its end event was lost (or the
     same items, added there meanwhile by another request): answered as such, not added twice."""
     name, items, base = job["session"], job.get("items") or [], job.get("base")
-    if job["kind"] == "conversation" and not (base is not None and jobs.exists(engine.store, name)):
+    if job["kind"] == "conversation" and not (base is not None and engine.store.exists(name)):
         engine.store.check_new_name(name)
         yield {"event": "start", "base": 0}  # a new conversation holds no message
         session, _, _ = engine.writer(name, create=job["create"])

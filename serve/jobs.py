@@ -269,25 +269,25 @@ def manage(engine, job: dict[str, Any]) -> Iterator[dict[str, Any]]:
     op, name = job["kind"], job["session"]
     again = job.get("base") is not None
     if op == "create":
-        if not (again and exists(engine.store, name)):
+        if not (again and engine.store.exists(name)):
             engine.store.check_new_name(name)
             yield writing()
             engine.store.create(name, engine.model, **job["settings"])
     elif op == "fork":
-        if not (again and exists(engine.store, job["new_name"])):
+        if not (again and engine.store.exists(job["new_name"])):
             engine.checkpoint(name)
             engine.store.check_new_name(job["new_name"])
             yield writing()
             engine.store.fork(name, job["new_name"], job.get("at"))
         name = job["new_name"]
     elif op == "delete":
-        if not (again and not exists(engine.store, name)):
+        if not (again and not engine.store.exists(name)):
             engine.store.info(name)  # SessionNotFound, before the start that says it was there
             yield writing()
             engine.delete(name)
     elif op == "import":
         name = job.get("new_name") or engine.store.archive_name(job["path"])  # by default the archive's own
-        if not (again and exists(engine.store, name)):
+        if not (again and engine.store.exists(name)):
             engine.store.check_new_name(name)
             yield writing()
             engine.store.import_(job["path"], name, engine.model)
@@ -300,14 +300,6 @@ def manage(engine, job: dict[str, Any]) -> Iterator[dict[str, Any]]:
 def writing() -> dict[str, Any]:
     """A management job's start: its checks passed, it writes now (`manage`)."""
     return {"event": "start", "base": 0}
-
-
-def exists(store, name: str) -> bool:
-    try:
-        store.info(name)
-    except kvstore.errors.SessionNotFound:
-        return False
-    return True
 
 
 def tokenize(engine, job: dict[str, Any]) -> Iterator[dict[str, Any]]:

@@ -54,6 +54,7 @@ def test_unknown_sessions_are_reported(store, model):
                  lambda: store.fork("nope", "x"), lambda: store.export("nope", "x.kvs")):
         with pytest.raises(SessionNotFound, match="kvstore list"):
             call()
+    assert store.exists("doc") and not store.exists("nope")
 
 
 def test_a_fork_shares_extents_and_costs_no_kv_bytes(store):

@@ -75,12 +75,19 @@ class Store:
     def session_id(self, name: str) -> str:
         """The id of session `name` (the first step of an open: one column, no ORM object);
         SessionNotFound when there is none."""
-        check_name(name)
-        with self.engine.connect() as db:
-            found = db.scalar(SESSION_ID, {"name": name})
+        found = self._id_of(name)
         if found is None:
             raise self.not_found(name)
         return found
+
+    def exists(self, name: str) -> bool:
+        """Whether a session of that name is in the store (the same one-column read)."""
+        return self._id_of(name) is not None
+
+    def _id_of(self, name: str) -> str | None:
+        check_name(name)
+        with self.engine.connect() as db:
+            return db.scalar(SESSION_ID, {"name": name})
 
     def not_found(self, name: str) -> SessionNotFound:
         return SessionNotFound(f"no session named {name!r}; `kvstore list` shows the sessions in {self.home}")

@@ -32,7 +32,6 @@ from fastapi import APIRouter, Depends, Header, Query, Request
 from fastapi.responses import JSONResponse
 from sse_starlette import ServerSentEvent
 
-from kvstore import errors
 
 from .. import tools
 from ..deps import service, tenant
@@ -247,11 +246,7 @@ def sampling(body: ResponseRequest) -> dict[str, float]:
 
 
 def exists(st, who: Tenant, public: str) -> bool:
-    try:
-        st.info(who.stored(public))
-        return True
-    except errors.SessionNotFound:
-        return False
+    return st.exists(who.stored(public))
 
 
 def check_seed(asked: int | None, seed: int, what: str) -> None:

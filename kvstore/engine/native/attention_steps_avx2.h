@@ -10,25 +10,33 @@
 namespace {
 namespace avx2 {
 
-// avx512::scores_fma, half of the lanes at a time
+// avx512::scores_fma on 8-lane halves. Each query's two sums (of the even and of the odd pairs) are
+// independent chains, made one after the other here, each over both halves at once, so that a query
+// value broadcast once serves 16 keys (AVX2 has 16 registers: both chains of both halves of 4 queries
+// do not fit); every sum takes the same steps in the same order: the same bits.
 template <int N>
 KV_AVX2 void scores_fma(const float* qf, int64_t hd, const uint32_t* kt, float scale, float* s) {
   const __m256i high = _mm256_set1_epi32(int32_t(0xffff0000u));
-  for (int64_t h = 0; h < 2; h++) {
+  for (int c = 0; c < 2; c++) {
     __m256 sum[N][2];
     for (int i = 0; i < N; i++) sum[i][0] = sum[i][1] = _mm256_setzero_ps();
-    for (int64_t p = 0; p < hd / 2; p += 2)
-      for (int c = 0; c < 2; c++) {
-        const __m256i k = _mm256_load_si256(reinterpret_cast<const __m256i*>(kt + (p + c) * kGroup + 8 * h));
-        const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(k, 16)), odd = _mm256_castsi256_ps(_mm256_and_si256(k, high));
-        const int64_t d = 2 * (p + c);
-        for (int i = 0; i < N; i++) {
-          sum[i][c] = _mm256_fmadd_ps(_mm256_set1_ps(qf[i * hd + d + 1]), odd, sum[i][c]);
-          sum[i][c] = _mm256_fmadd_ps(_mm256_set1_ps(qf[i * hd + d]), even, sum[i][c]);
-        }
+    for (int64_t p = c; p < hd / 2; p += 2) {
+      const __m256i k0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(kt + p * kGroup));
+      const __m256i k1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(kt + p * kGroup + 8));
+      const __m256 even0 = _mm256_castsi256_ps(_mm256_slli_epi32(k0, 16)), odd0 = _mm256_castsi256_ps(_mm256_and_si256(k0, high));
+      const __m256 even1 = _mm256_castsi256_ps(_mm256_slli_epi32(k1, 16)), odd1 = _mm256_castsi256_ps(_mm256_and_si256(k1, high));
+      for (int i = 0; i < N; i++) {
+        const __m256 qo = _mm256_set1_ps(qf[i * hd + 2 * p + 1]), qe = _mm256_set1_ps(qf[i * hd + 2 * p]);
+        sum[i][0] = _mm256_fmadd_ps(qe, even0, _mm256_fmadd_ps(qo, odd0, sum[i][0]));
+        sum[i][1] = _mm256_fmadd_ps(qe, even1, _mm256_fmadd_ps(qo, odd1, sum[i][1]));
       }
+    }
     for (int i = 0; i < N; i++)
-      _mm256_store_ps(s + i * kGroup + 8 * h, _mm256_mul_ps(_mm256_add_ps(sum[i][0], sum[i][1]), _mm256_set1_ps(scale)));
+      for (int h = 0; h < 2; h++) {
+        float* out = s + i * kGroup + 8 * h;
+        if (c == 0) _mm256_store_ps(out, sum[i][h]);  // the even pairs' sum, until the odd pairs' is made
+        else _mm256_store_ps(out, _mm256_mul_ps(_mm256_add_ps(_mm256_load_ps(out), sum[i][h]), _mm256_set1_ps(scale)));
+      }
   }
 }
 
@@ -53,10 +61,18 @@ KV_AVX2 inline __m256 round_weights8(__m256 p) {
   return _mm256_castsi256_ps(_mm256_and_si256(up, _mm256_set1_epi32(int32_t(0xffff0000u))));
 }
 
-// avx512::values_fma for 16 dimensions from d0 (two halves)
+// 8 dimensions of a V row as float32 (bfloat16 widened: exact)
+KV_AVX2 inline __m256 widen8(const uint16_t* v) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v))), 16));
+}
+
+// avx512::values_fma for 16 dimensions from d0 (two halves); V from vt [8][hd] (values_by_pairs), or
+// (vt null) from the first `keys` V rows at v, `stride` apart, widened where they lie (the same values:
+// a row past them reads as 0, as values_by_pairs makes it), so that a decode step's few queries, which
+// read V once, do not lay it out first
 template <int N>
-KV_AVX2 void weighted_values(const float* p, const float* corr, const int64_t* valid, const uint32_t* vt, int64_t hd,
-                             int64_t d0, float* acc) {
+KV_AVX2 void weighted_values(const float* p, const float* corr, const int64_t* valid, const uint32_t* vt,
+                             const uint16_t* v, int64_t stride, int64_t rows, int64_t hd, int64_t d0, float* acc) {
   const __m256i high = _mm256_set1_epi32(int32_t(0xffff0000u));
   const __m256 zero = _mm256_setzero_ps();  // as avx512::values_fma
   __m256 a[N][2];
@@ -69,9 +85,15 @@ KV_AVX2 void weighted_values(const float* p, const float* corr, const int64_t* v
   for (int64_t j = 0; 2 * j < keys; j++) {
     __m256 even[2], odd[2];
     for (int w = 0; w < 2; w++) {
-      const __m256i v = _mm256_load_si256(reinterpret_cast<const __m256i*>(vt + j * hd + d0 + 8 * w));
-      even[w] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-      odd[w] = _mm256_castsi256_ps(_mm256_and_si256(v, high));
+      if (vt) {
+        const __m256i pair = _mm256_load_si256(reinterpret_cast<const __m256i*>(vt + j * hd + d0 + 8 * w));
+        even[w] = _mm256_castsi256_ps(_mm256_slli_epi32(pair, 16));
+        odd[w] = _mm256_castsi256_ps(_mm256_and_si256(pair, high));
+      } else {
+        const uint16_t* row = v + 2 * j * stride + d0 + 8 * w;
+        even[w] = widen8(row);
+        odd[w] = 2 * j + 1 < rows ? widen8(row + stride) : zero;
+      }
     }
     for (int i = 0; i < N; i++) {
       if (2 * j >= valid[i]) continue;
@@ -97,14 +119,18 @@ KV_AVX2 void layout_group(const Problem& pb, const uint16_t* k, int64_t keys, ui
   if (vt) values_by_pairs(k + pb.n_kv * pb.hd, pb.token_stride(), pb.hd, keys, vt);
 }
 
-// avx512::group_step (V from the rows: laid out here first)
+// avx512::group_step (vt null: V read from the rows, in weighted_values). The scores' chains one at a
+// time and V from the rows, against the halves one at a time and V laid out first (values_by_pairs),
+// on an AMD EPYC with AVX2 alone (family 23 model 1: 128-bit vector units, so each 256-bit operation
+// is two): one decode row over one layer's 1,024 positions, one thread, 0.92x the time; every layer
+// from memory on two threads 0.91x at 1,024 positions and 0.88x at 8,160 (`benchmarks.ab`, attention
+// and attention-cold, 3 processes each); the same bits there and over the native attention tests'
+// shapes (hd 16 to 128, decode rows, prefill chunks, subnormal values). Tried and dropped on that CPU:
+// 32 dimensions a values pass for up to 3 queries (0.97x: the 16 registers spill), and the touch left
+// out (read_in_order: 0.97x in L2, 1.02x and 0.99x from memory).
 KV_AVX2 KV_NOINLINE void group_step(const Problem& pb, const uint32_t* kt, const uint32_t* vt, const uint16_t* v,
                                     int64_t keys, const int64_t* valid, int64_t first, int64_t nq, Work& w) {
-  const int64_t hd = pb.hd;
-  if (!vt) {
-    values_by_pairs(v, pb.token_stride(), hd, keys, w.vt);
-    vt = w.vt;
-  }
+  const int64_t hd = pb.hd, stride = pb.token_stride();
   const float* qf_all = w.qf + first * hd;
   float *p_all = w.p + first * kGroup, *lsum = w.lsum + first * kGroup;
   float *m_all = w.m + first, *corr_all = w.corr + first, *acc_all = w.acc + first * hd;
@@ -151,10 +177,10 @@ KV_AVX2 KV_NOINLINE void group_step(const Problem& pb, const uint32_t* kt, const
     float* acc = acc_all + i * hd;
     for (int64_t d0 = 0; d0 < hd; d0 += 16) {
       switch (n) {
-        case 1: weighted_values<1>(p, corr, valid + i, vt, hd, d0, acc); break;
-        case 2: weighted_values<2>(p, corr, valid + i, vt, hd, d0, acc); break;
-        case 3: weighted_values<3>(p, corr, valid + i, vt, hd, d0, acc); break;
-        default: weighted_values<4>(p, corr, valid + i, vt, hd, d0, acc); break;
+        case 1: weighted_values<1>(p, corr, valid + i, vt, v, stride, keys, hd, d0, acc); break;
+        case 2: weighted_values<2>(p, corr, valid + i, vt, v, stride, keys, hd, d0, acc); break;
+        case 3: weighted_values<3>(p, corr, valid + i, vt, v, stride, keys, hd, d0, acc); break;
+        default: weighted_values<4>(p, corr, valid + i, vt, v, stride, keys, hd, d0, acc); break;
       }
     }
   }

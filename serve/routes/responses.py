@@ -32,7 +32,6 @@ from fastapi import APIRouter, Depends, Header, Query, Request
 from fastapi.responses import JSONResponse
 from sse_starlette import ServerSentEvent
 
-
 from .. import tools
 from ..deps import service, tenant
 from ..failures import ApiError, not_found

@@ -295,15 +295,32 @@ def _lock_wait_ran_out(e: BaseException) -> bool:
     return "database is locked" in str(e) or sqlstate(e) == "55P03"
 
 
+def _disk_full(e: BaseException) -> bool:
+    """SQLite's SQLITE_FULL ("database or disk is full"), PostgreSQL's disk_full (53100)."""
+    return "full" in str(e).lower() or sqlstate(e) == "53100"
+
+
 def _report_lock_waits(engine: Engine) -> None:
-    """A transaction that waited LOCK_WAIT_S for another raises IndexBusy instead of the driver's error."""
+    """A transaction that waited LOCK_WAIT_S for another raises IndexBusy instead of the driver's error,
+    and any statement that found the index's disk full raises StoreFull (creating, forking, renaming,
+    deleting a session: every write, not only a checkpoint's, `store_full_on_disk_full`)."""
 
     @event.listens_for(engine, "handle_error")
     def _on_error(ctx):
-        if isinstance(ctx.sqlalchemy_exception, OperationalError) and _lock_wait_ran_out(ctx.original_exception):
+        if not isinstance(ctx.sqlalchemy_exception, OperationalError):
+            return None
+        if _lock_wait_ran_out(ctx.original_exception):
             return IndexBusy(f"the index {shown_url(engine)} stayed locked by another process for {LOCK_WAIT_S} s "
                              "(a stopped or hung kvstore, or another program holding the database); "
                              "nothing was changed: try again once it has finished")
+        if _disk_full(ctx.original_exception):
+            return IndexFull("the index: the disk is full; nothing was changed. Free some space (kvstore gc, "
+                             "kvstore rm) and try again")
+        return None
+
+
+class IndexFull(StoreFull):
+    """StoreFull raised by the index's own statements (`_report_lock_waits`)."""
 
 
 def migrations_dir() -> Path:
@@ -343,12 +360,10 @@ def upgrade(engine: Engine, revision: str = "head") -> None:
 
 @contextmanager
 def store_full_on_disk_full(what: str):
-    """SQLite's "database or disk is full" and PostgreSQL's disk_full (SQLSTATE 53100) are the same
-    condition as ENOSPC: raise StoreFull."""
+    """The index's full disk (SQLite's "database or disk is full", PostgreSQL's disk_full: `IndexFull`,
+    the same condition as ENOSPC) as `what`'s StoreFull, which says the last checkpoint is intact."""
     try:
         yield
-    except OperationalError as e:
-        if "full" in str(e.orig).lower() or sqlstate(e.orig) == "53100":
-            raise StoreFull(f"{what}: the disk is full; the last checkpoint is intact. "
-                            "Free some space (kvstore gc, kvstore rm) and try again") from e
-        raise
+    except IndexFull as e:
+        raise StoreFull(f"{what}: the disk is full; the last checkpoint is intact. "
+                        "Free some space (kvstore gc, kvstore rm) and try again") from e

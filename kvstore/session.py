@@ -540,6 +540,22 @@ class Session:
                 self.seq.close()
                 _OPEN.discard(self)
 
+    def discard(self) -> None:
+        """Close without a checkpoint: what changed since the last one is dropped, the store keeps the
+        session as that checkpoint left it, and the next `open` restores it from there. For a session
+        whose writes failed (a full disk): its memory may hold a turn the store never took. A commit
+        still in flight is waited for first (it writes under this session's lock); its error, the
+        one the caller already had, is not raised again."""
+        if self.lock.held:
+            try:
+                self.settle()
+            except Exception:  # noqa: BLE001 -- that commit failed; the checkpoint before it stands
+                pass
+            finally:
+                self.lock.release()
+                self.seq.close()
+                _OPEN.discard(self)
+
     def __enter__(self) -> "Session":
         return self
 

@@ -142,6 +142,13 @@ class Engine:
         if session is not None:
             session.close()
 
+    def discard(self, name: str) -> None:
+        """Drop the session from memory without a checkpoint (`Session.discard`): after a request
+        that failed midway (a full disk), its next request restores it from its last checkpoint."""
+        session = self.sessions.pop(name, None)
+        if session is not None:
+            session.discard()
+
     def delete(self, name: str) -> None:
         """Close the session if it is open here, then delete it from the store (SessionNotFound if
         there is none)."""

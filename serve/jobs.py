@@ -324,7 +324,10 @@ KINDS = {"chat": chat, "complete": complete, "tokenize": tokenize, "detokenize":
 
 
 def run(engine, job: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    """The job's events; a library error becomes an `error` event (the session is left as it was). A
+    """The job's events; a library error becomes an `error` event, and the session is left as its
+    last checkpoint left it: the engine drops what it held of it in memory (`Engine.discard`), so a
+    turn that failed midway (a full disk) is not carried into the next request, which restores the
+    session from the store (a stream cut by the error resumes from there with Last-Event-ID). A
     named session that the job made (its start event says `created`, kept here) and that failed
     before any token (a prompt beyond the context, say) is deleted first: it holds nothing anyone
     sent, and kept it would stay in the store, empty, for good. Here, in the job, no other request
@@ -339,6 +342,8 @@ def run(engine, job: dict[str, Any]) -> Iterator[dict[str, Any]]:
     except GeneratorExit:
         raise
     except Exception as e:  # noqa: BLE001 -- every failure is an answer to the client, never a dead engine
+        if job.get("session"):
+            engine.discard(job["session"])
         if created and not output:
             delete_made(engine, job["session"])
         yield from_library(e).to_event()

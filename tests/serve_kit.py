@@ -6,6 +6,9 @@ loopback port, with a private home; the official `openai` client pointed at it.
         server.kill_engine()                 # SIGKILL the engine process, the API stays up
         server.kill(); server.start()        # SIGKILL the whole server, start it again (same port)
 
+`wrap` runs the server's command line through another command (its words first, the server's after:
+e.g. `unshare` with a small tmpfs mounted on the home, for a disk that really fills up).
+
 Output (both streams) goes to `server.log_path`; `server.log()` reads it.
 """
 
@@ -38,8 +41,9 @@ def executable() -> str:
 
 class LiveServer:
     def __init__(self, home: Path, model: str | Path, *args: str, env: dict[str, str] | None = None,
-                 name: str = MODEL_NAME, ready_timeout: float = 120.0):
+                 name: str = MODEL_NAME, ready_timeout: float = 120.0, wrap: list[str] | None = None):
         self.home, self.model, self.args, self.name = Path(home), str(model), list(args), name
+        self.wrap = list(wrap or [])  # a command that runs the server's command line (its words follow)
         self.env = {k: v for k, v in os.environ.items() if k != "KVSTORE_API_KEYS"}
         self.env.update(env or {})
         self.port = free_port()
@@ -51,7 +55,7 @@ class LiveServer:
     # -- life ------------------------------------------------------------------------------------
     def start(self, wait: bool = True) -> "LiveServer":
         log = open(self.log_path, "a", encoding="utf-8")
-        cmd = [executable(), "--home", str(self.home), "serve", "--host", "127.0.0.1", "--port", str(self.port),
+        cmd = [*self.wrap, executable(), "--home", str(self.home), "serve", "--host", "127.0.0.1", "--port", str(self.port),
                "--model", self.model, "--served-model-name", self.name, *self.args]
         self.process = subprocess.Popen(cmd, env=self.env, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
         log.close()

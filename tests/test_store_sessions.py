@@ -57,6 +57,26 @@ def test_unknown_sessions_are_reported(store, model):
     assert store.exists("doc") and not store.exists("nope")
 
 
+def test_discard_drops_what_was_not_checkpointed_and_frees_the_session(store, model):
+    """`Session.discard` (the service's after a request that failed midway): closed without a
+    checkpoint, so the store keeps its last one: a generation's tokens since are gone, the call
+    it recorded stands (`resume` finishes it), and the lock is free."""
+    before = store.info("doc")
+    s = store.open("doc", model)
+    s.checkpoint_every = 1000  # nothing committed while it generates
+    ids = s.generate(12, stop_at_eos=False)
+    taken = [next(ids) for _ in range(5)]
+    assert len(s.tokens) == before.n_tokens + 5
+    s.discard()
+    s.discard()  # twice: nothing more
+    ids.close()  # the abandoned generation writes nothing once discarded
+    assert store.info("doc").n_tokens == before.n_tokens  # the 5 tokens were never committed
+    with store.open("doc", model) as again:  # not busy: the lock went with it
+        assert len(again.tokens) == before.n_tokens and again.active_call["start"] == before.n_tokens
+        list(again.resume())
+        assert again.tokens[before.n_tokens:][:5] == taken and len(again.tokens) == before.n_tokens + 12
+
+
 def test_a_fork_shares_extents_and_costs_no_kv_bytes(store):
     """No KV byte is read or written (its time is in the benchmarks: `python -m benchmarks run`)."""
     before = files(store)

@@ -536,9 +536,7 @@ class Session:
             try:
                 self.checkpoint("close")
             finally:
-                self.lock.release()
-                self.seq.close()
-                _OPEN.discard(self)
+                self._release()
 
     def discard(self) -> None:
         """Close without a checkpoint: what changed since the last one is dropped, the store keeps the
@@ -552,9 +550,13 @@ class Session:
             except Exception:  # noqa: BLE001 -- that commit failed; the checkpoint before it stands
                 pass
             finally:
-                self.lock.release()
-                self.seq.close()
-                _OPEN.discard(self)
+                self._release()
+
+    def _release(self) -> None:
+        """The lock released and the cache's memory handed to the next session opened."""
+        self.lock.release()
+        self.seq.close()
+        _OPEN.discard(self)
 
     def __enter__(self) -> "Session":
         return self

@@ -55,8 +55,8 @@ class LiveServer:
     # -- life ------------------------------------------------------------------------------------
     def start(self, wait: bool = True) -> "LiveServer":
         log = open(self.log_path, "a", encoding="utf-8")
-        cmd = [*self.wrap, executable(), "--home", str(self.home), "serve", "--host", "127.0.0.1", "--port", str(self.port),
-               "--model", self.model, "--served-model-name", self.name, *self.args]
+        cmd = [*self.wrap, executable(), "--home", str(self.home), "serve", "--host", "127.0.0.1",
+               "--port", str(self.port), "--model", self.model, "--served-model-name", self.name, *self.args]
         self.process = subprocess.Popen(cmd, env=self.env, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
         log.close()
         if wait:

@@ -10,7 +10,9 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import shutil
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -29,6 +31,23 @@ def context():
         _CTX = multiprocessing.get_context("forkserver")
         _CTX.set_forkserver_preload(["torch", "kvstore", "store_harness"])
     return _CTX
+
+
+def flip_byte(path: Path, offset: int) -> None:
+    """Damage one stored byte (bit 6 flipped)."""
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x40
+    path.write_bytes(bytes(data))
+
+
+def tmpfs_refused() -> str | None:
+    """Why a tmpfs of a process's own (`unshare -rm`, a mount namespace and a user namespace, then a
+    small tmpfs: a disk that really fills up) cannot be had here; None when it can."""
+    if shutil.which("unshare") is None:
+        return "no unshare command"
+    probe = subprocess.run(["unshare", "-rm", "sh", "-c", "mount -t tmpfs -o size=64k tmpfs /mnt 2>/dev/null || "
+                            "mount -t tmpfs -o size=64k tmpfs /tmp"], capture_output=True, text=True)
+    return None if probe.returncode == 0 else f"unshare -rm and a tmpfs mount refused: {probe.stderr.strip()[:200]}"
 
 
 def read_trace(path: Path) -> list[dict]:

@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import errno
 import os
-import shutil
-import subprocess
 from pathlib import Path
 
 import httpx
@@ -33,21 +31,12 @@ import openai
 import pytest
 
 import kvstore
+import store_harness as H
 from serve_kit import LiveServer
 from test_serve_chat import (CHUNK, TURNS, chat, library_conversation, long_request, model_folder,  # noqa: F401
                              sse_events, stream_events, text_of, tokens_of)
 
 DISK = "48m"  # the tmpfs under the server's home: the tiny model's sessions take a few MB
-
-
-def can_mount_tmpfs(where: Path) -> str | None:
-    """Why a private tmpfs cannot be mounted here (None: it can)."""
-    if shutil.which("unshare") is None:
-        return "no unshare command"
-    where.mkdir(exist_ok=True)
-    probe = subprocess.run(["unshare", "-rm", "sh", "-c", 'mount -t tmpfs -o size=1m tmpfs "$0"', str(where)],
-                           capture_output=True, text=True)
-    return None if probe.returncode == 0 else f"unshare -rm + mount tmpfs refused: {probe.stderr.strip()[:200]}"
 
 
 class Disk:
@@ -83,11 +72,10 @@ class Disk:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, model_folder):  # noqa: F811 (the fixture imported above)
-    root = tmp_path_factory.mktemp("full")
-    why = can_mount_tmpfs(root / "probe")
+    why = H.tmpfs_refused()
     if why:
         pytest.skip(f"a real full disk needs a tmpfs of the server's own: {why}")
-    home = root / "home"
+    home = tmp_path_factory.mktemp("full") / "home"
     home.mkdir()
     mount = ["unshare", "-rm", "sh", "-c", f'mount -t tmpfs -o size={DISK} tmpfs "$0" && exec "$@"', str(home)]
     with LiveServer(home, model_folder, "--chunk-size", str(CHUNK), "--threads", "1", "--checkpoint-every", "4",
@@ -176,12 +164,6 @@ def test_a_stream_cut_by_a_full_disk_ends_with_an_error_event_and_is_finished_on
 
 
 # -- a damaged file ---------------------------------------------------------------------------------
-def flip_byte(path: Path, offset: int) -> None:
-    data = bytearray(path.read_bytes())
-    data[offset] ^= 0x40
-    path.write_bytes(bytes(data))
-
-
 def test_a_damaged_session_is_a_422_and_the_server_goes_on(tmp_path, model_folder):  # noqa: F811
     home = tmp_path / "home"
     messages = [{"role": "user", "content": TURNS[0]}]
@@ -191,7 +173,7 @@ def test_a_damaged_session_is_a_422_and_the_server_goes_on(tmp_path, model_folde
         chat(client, "other", messages)
     with kvstore.open_store(home) as store:
         folder = store.session_dir(store.info("doc").id)
-    flip_byte(folder / "layer-001.kv", 100)  # in the first extent's bytes (extents begin at aligned offsets)
+    H.flip_byte(folder / "layer-001.kv", 100)  # in the first extent's bytes (extents begin at aligned offsets)
 
     messages += [{"role": "assistant", "content": first.choices[0].message.content},
                  {"role": "user", "content": TURNS[1]}]

@@ -55,17 +55,11 @@ def layer_file(store, name="s", layer=0) -> Path:
     return store.session_dir(store.info(name).id) / f"layer-{layer:03d}.kv"
 
 
-def flip_byte(path: Path, offset: int) -> None:
-    data = bytearray(path.read_bytes())
-    data[offset] ^= 0x40
-    path.write_bytes(bytes(data))
-
-
 # -- damaged bytes ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("offset", [0, 1000, -1])
 def test_a_flipped_byte_in_an_extent_is_caught_on_open_and_by_verify(saved, model, offset):
     path = layer_file(saved, layer=1)
-    flip_byte(path, offset if offset >= 0 else path.stat().st_size + offset)
+    H.flip_byte(path, offset if offset >= 0 else path.stat().st_size + offset)
     with pytest.raises(CorruptData, match=r"session 's', extent \d+.*layer 1.*checksum"):
         saved.open("s", model)
     problems = saved.verify()["s"]
@@ -89,7 +83,7 @@ def test_a_missing_file_is_corrupt_data(saved, model):
 def test_a_flipped_byte_in_a_packed_blob_is_caught(saved, model):
     saved.pack("s")
     blob = next((saved.home / "blobs").glob("*.kvz"))
-    flip_byte(blob, blob.stat().st_size // 2)
+    H.flip_byte(blob, blob.stat().st_size // 2)
     with pytest.raises(CorruptData, match="blob"):
         saved.open("s", model)
     assert saved.verify()["s"]
@@ -117,7 +111,7 @@ def test_every_layer_of_a_packed_extent_is_checked_on_open(saved, model):
         frames = db.get(BlobRow, blob.stem).frames
     for offset, size in frames:
         for at in (offset + 8, offset + size // 2, offset + size - 1):
-            flip_byte(blob, at)
+            H.flip_byte(blob, at)
             with pytest.raises(CorruptData, match="blob"):
                 saved.open("s", model)
             blob.write_bytes(good)
@@ -240,15 +234,7 @@ def test_delete_waits_for_no_writer(saved, model):
 
 
 # -- a full disk ----------------------------------------------------------------------------------------
-def _can_unshare() -> bool:
-    if not shutil.which("unshare"):
-        return False
-    probe = subprocess.run(["unshare", "-rm", "sh", "-c", "mount -t tmpfs -o size=64k tmpfs /mnt 2>/dev/null || "
-                            "mount -t tmpfs -o size=64k tmpfs /tmp"], capture_output=True)
-    return probe.returncode == 0
-
-
-@pytest.mark.skipif(not _can_unshare(), reason="needs `unshare -rm` and tmpfs mounts (user namespaces)")
+@pytest.mark.skipif(H.tmpfs_refused() is not None, reason="needs `unshare -rm` and tmpfs mounts (user namespaces)")
 def test_a_full_disk_raises_store_full_and_keeps_the_last_checkpoint(tmp_path, model_path):
     disk = tmp_path / "disk"
     disk.mkdir()

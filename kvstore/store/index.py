@@ -217,7 +217,7 @@ def make_engine(url: str) -> Engine:
         _sqlite_setup(engine)
     else:
         _postgresql_setup(engine)
-    _report_lock_waits(engine)
+    _report_index_errors(engine)
     return engine
 
 
@@ -300,7 +300,7 @@ def _disk_full(e: BaseException) -> bool:
     return "full" in str(e).lower() or sqlstate(e) == "53100"
 
 
-def _report_lock_waits(engine: Engine) -> None:
+def _report_index_errors(engine: Engine) -> None:
     """A transaction that waited LOCK_WAIT_S for another raises IndexBusy instead of the driver's error,
     and any statement that found the index's disk full raises StoreFull (creating, forking, renaming,
     deleting a session: every write, not only a checkpoint's, `store_full_on_disk_full`)."""
@@ -320,7 +320,7 @@ def _report_lock_waits(engine: Engine) -> None:
 
 
 class IndexFull(StoreFull):
-    """StoreFull raised by the index's own statements (`_report_lock_waits`)."""
+    """StoreFull raised by the index's own statements (`_report_index_errors`)."""
 
 
 def migrations_dir() -> Path:

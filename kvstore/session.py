@@ -400,6 +400,23 @@ class Session:
         yield from self._prefill_steps()
         yield from self._pieces(self.active_call, trace)
 
+    def unfinished_reply_to(self, messages: list[dict[str, str]], max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, *,
+                            stop: tuple[str, ...] = (), response_format=None, **sampling) -> bool:
+        """Whether the reply that was interrupted here (a chat call still recorded) is the reply to
+        this request: the session's messages before that reply are `messages` (role and text) and
+        the call was made with these settings. A request resent after its reply was cut (its client
+        got an error, or lost the response) is then answered by finishing that reply (`resume`):
+        the reply it would have had, not a second one."""
+        self._check_open()
+        call = self.active_call
+        if not call or call.get("kind") != "chat":
+            return False
+        settings, fmt = self._call_settings(max_new_tokens, sampling, response_format)
+        asked = [{"role": m["role"], "content": m["content"]} for m in messages]
+        return ([{"role": m["role"], "content": m["text"]} for m in self.messages[:call["message"]]] == asked
+                and (call["max_new_tokens"], call["stop"], call.get("format", "")) == (max_new_tokens, list(stop), fmt)
+                and settings == self.settings)
+
     def text(self, ids: Iterator[int]) -> Iterator[str]:
         """Text pieces of generated token ids (`generate`'s), no character split across two pieces."""
         decoder = StreamDecoder(self.model.tokenizer)

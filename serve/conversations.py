@@ -18,6 +18,10 @@ names a session that holds the context up to the end of that response and is nev
   reads only what is new), the input then answered as one conversation (`Session.respond`, a cold
   run's bits).
 
+A request sent again after its reply was cut, without Last-Event-ID (the same input and settings
+on the same conversation: `retried_input`), is answered with that reply, finished, rather than
+appending its input a second time.
+
 Kinds (added to `jobs.KINDS` by `engine.py`): `response` (a generation: `jobs.reply`'s events), `conversation`
 (create one, with its first items) and `items` (append items to one). A resumed `response`
 (`after`, from Last-Event-ID or an engine restart) is `jobs.resume` on the written session,
@@ -31,7 +35,7 @@ from typing import Any, Iterator
 from kvstore import errors
 
 from . import prefix_cache
-from .jobs import converse, reply, resume
+from .jobs import converse, replay, reply, resume, retried
 from .replies import Tokens
 
 
@@ -72,10 +76,25 @@ def _fresh(engine, job: dict[str, Any]) -> Iterator[dict[str, Any]]:
         except errors.SessionExists:
             pass  # an engine that died before the reply began had forked it; nothing was written since
     session, how, restore = engine.writer(name, create=job.get("create"))
+    if retried_input(session, job):  # the input of a reply that was cut, sent again: that reply, finished
+        yield from replay(engine, job, session, how, restore)
+        return
     cached = session.n_cached
     yield {"event": "start", "context": how if session.tokens else "computed", "message":
            len(session.messages) + len(messages), **restore}
     yield from reply(engine, session, converse(session, unrepeated(session, messages), **args), tokens, job, cached)
+
+
+def retried_input(session, job: dict[str, Any]) -> bool:
+    """Whether the input is that of the reply a cut left unfinished on the session (a client that
+    lost the response, or got an error, and sends the same request again): the messages just before
+    that reply are the input (instructions restated included) and the settings are the same
+    (`jobs.retried`). Appended again, the input would stand twice in the conversation."""
+    call, given = session.active_call, job["messages"]
+    if not call or "message" not in call or call["message"] < len(given):
+        return False
+    before = [{"role": m["role"], "content": m["text"]} for m in session.messages[:call["message"]]]
+    return before[-len(given):] == given and retried(session, {**job, "messages": before})
 
 
 def unrepeated(session, messages: list[dict[str, str]]) -> list[dict[str, str]]:

@@ -9,7 +9,8 @@ different sessions interleave token by token. Kinds:
   a fork of the session at the last position that both computed alike (`plan`: a chunk boundary
   unless the model computes every row alone), so the reply
   is byte-identical to the same request on a new session. The session's name then names the fork;
-  the old branch stays as `NAME@N`.
+  the old branch stays as `NAME@N`. The same request sent again after its reply was cut (no
+  Last-Event-ID: a retry, `retried`) is answered with that reply, finished (`replay`).
 - `complete`: raw text appended to a session and continued (`/v1/completions`), as one call that
   records the prompt with the generation (`Session.begin`).
 - any job with `after` (a resumed stream): the reply that was interrupted after that position is
@@ -91,6 +92,9 @@ def chat(engine, job: dict[str, Any]) -> Iterator[dict[str, Any]]:
     else:
         session, how, restore = engine.writer(job["session"], create=job.get("create"))
         check_seed(session, job.get("seed"))
+        if retried(session, job):  # the request of a reply that was cut, resent: that reply, finished
+            yield from replay(engine, job, session, how, restore)
+            return
         p, lookup = plan(session, messages), {"created": how == "computed"}
         cached = session.n_cached
         if p.kind == "cold" and session.tokens:
@@ -106,6 +110,18 @@ def chat(engine, job: dict[str, Any]) -> Iterator[dict[str, Any]]:
     else:
         pieces = session.respond(messages, **args)
     yield from reply(engine, session, pieces, tokens, job, cached)
+
+
+def retried(session, job: dict[str, Any]) -> bool:
+    """Whether a chat request resent without Last-Event-ID is the one whose reply a cut left
+    unfinished in the session (an engine that died, a full disk, a client that went away): the same
+    messages and settings (`Session.unfinished_reply_to`). It is then answered with that reply, its
+    stored tokens replayed and the rest generated, as the uninterrupted request would have been: a
+    retry changes nothing (else it would be answered again, cold, on a branch). Not where
+    log-probabilities are asked for: the stored tokens' were not kept."""
+    return job.get("logprobs") is None and session.unfinished_reply_to(
+        job["messages"], job["max_tokens"], stop=tuple(job.get("stop") or ()), response_format=job.get("format"),
+        **(job.get("sampling") or {}))
 
 
 def converse(session, new: list[dict[str, str]], **args) -> Iterator[str]:
@@ -184,9 +200,10 @@ def reply(engine, session, pieces, tokens: Tokens, job: dict[str, Any], cached: 
     lines = tokens.lines
     start = lines[0]["position"] if lines else len(session.tokens)
     reason = finish or {"eos": "stop", "stop": "stop"}.get(session.stop_reason or "", "length")
+    prompt = prompt_tokens if prompt_tokens is not None else start
+    # cached: of the prompt (a resumed reply's own stored tokens are restored too, but are no prompt)
     yield {"event": "end", "text": tail, "finish_reason": reason, "session": session.name,
-           "prompt_tokens": prompt_tokens if prompt_tokens is not None else start,
-           "cached_tokens": cached, "completion_tokens": len(session.tokens) - start,
+           "prompt_tokens": prompt, "cached_tokens": min(cached, prompt), "completion_tokens": len(session.tokens) - start,
            "checkpoint_seconds": session.last_checkpoint_seconds,
            **engine.resident()}
 
@@ -199,7 +216,14 @@ def resume(engine, job: dict[str, Any]) -> Iterator[dict[str, Any]]:
     except kvstore.errors.SessionNotFound:
         if job.get("reply_start") is not None:
             raise
-        session = None  # an engine that died before it created the session: run the request afresh
+        session, how, restore = None, "computed", {}  # an engine that died before it created the session
+    yield from replay(engine, job, session, how, restore)
+
+
+def replay(engine, job: dict[str, Any], session, how: str, restore: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """`resume` on the session opened for it (None: there is none: the request is run afresh), and
+    the whole of a cut reply where a request resent without Last-Event-ID is the one it answers
+    (`chat`: no `reply_start`, `after` None)."""
     call = session.active_call if session is not None else None
     sent = job.get("reply_start")  # where the reply the client has began (None: it has no token of it)
     if sent is not None:

@@ -462,6 +462,38 @@ def test_last_event_id_after_kill_9_of_the_server_finishes_the_reply_exactly(tmp
         assert text_of(again) == "" and again[-1][1] is None  # it had everything: only the end
 
 
+def test_a_cut_reply_resent_without_last_event_id_is_that_reply_whole_not_a_second_answer(tmp_path, model_folder):
+    """A client that lost its reply (the server killed mid-stream) and sends the same request again
+    without Last-Event-ID, not streamed, as a client that retries does, gets that reply whole: the
+    cut one finished from its checkpoint (not computed again), equal to an uncut reply, and no branch.
+    The same messages with other settings are another request: answered cold, on a branch."""
+    with LiveServer(tmp_path / "home", model_folder, "--chunk-size", str(CHUNK), "--threads", "1",
+                    "--checkpoint-every", "4") as server:
+        whole = stream_events(server, long_request("uncut"), {})
+        got = stream_events(server, long_request("cut"), {}, stop_after=40)
+        server.kill()
+        server.start()
+        r = server.http().post("/v1/chat/completions", json={**long_request("cut"), "stream": False}, timeout=120)
+        assert r.status_code == 200, r.text
+        retried = r.json()
+        assert retried["choices"][0]["message"]["content"] == text_of(whole)
+        assert [t["token"] for t in retried["kvstore"]["trace"]] == tokens_of(whole)
+        assert tokens_of(got) == tokens_of(whole)[:len(tokens_of(got))]
+        usage = retried["usage"]
+        assert usage["completion_tokens"] == len(tokens_of(whole))
+        assert usage["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"]  # the prompt not read again
+        names = {s["name"] for s in server.http().get("/v1/sessions").json()["data"]}
+        assert "cut" in names and "cut@1" not in names
+
+        other = {**long_request("cut-other"), "max_tokens": 150}
+        stream_events(server, {**long_request("cut-other")}, {}, stop_after=40)
+        r = server.http().post("/v1/chat/completions", json={**other, "stream": False}, timeout=120)
+        assert r.status_code == 200, r.text
+        assert [t["token"] for t in r.json()["kvstore"]["trace"]] == tokens_of(whole)[:150]
+        names = {s["name"] for s in server.http().get("/v1/sessions").json()["data"]}
+        assert {"cut-other", "cut-other@1"} <= names
+
+
 def test_a_formatted_reply_cut_by_kill_9_of_the_server_finishes_under_its_format_exactly(tmp_path, model_folder):
     """The reply's format is recorded with its call: the resumed stream (Last-Event-ID after a
     restart) is held to it from where the reply had got to, and the whole equals an uninterrupted one."""

@@ -423,7 +423,7 @@ def test_a_response_survives_its_engines_death(client, server):
 
 
 def test_kill_9_of_the_server_then_last_event_id(client, server):
-    """Last in the module: it restarts the server (same home, same port)."""
+    """It restarts the server (same home, same port): last in the module, with the one below."""
     conv = client.conversations.create(extra_body={"seed": 13})
     body = {"model": MODEL_NAME, "input": "The fox", "conversation": conv.id, "stream": True,
             "max_output_tokens": 100}
@@ -444,3 +444,25 @@ def test_kill_9_of_the_server_then_last_event_id(client, server):
     assert client.responses.retrieve(rid).output_text == text  # acknowledged: the snapshot is in the store
     items = client.conversations.items.list(conv.id, order="asc").data
     assert [i.role for i in items] == ["user", "assistant"] and items[1].content[0].text == text
+
+
+def test_a_response_cut_and_sent_again_without_last_event_id_is_that_reply_not_a_second_turn(client, server):
+    """A client that lost its response (the server killed mid-stream) and sends the same request
+    again, without Last-Event-ID, gets the reply it would have had, finished from the conversation's
+    checkpoint: the input is not appended a second time. (It restarts the server, as the one above.)"""
+    conv = client.conversations.create(extra_body={"seed": 31})
+    body = {"model": MODEL_NAME, "input": "The fox", "conversation": conv.id, "stream": True,
+            "max_output_tokens": 100}
+    with server.http(ALICE).stream("POST", "/v1/responses", json=body) as stream:
+        sse(stream, limit=8)
+        server.kill()
+    server.start()
+    again = client.responses.create(model=MODEL_NAME, input="The fox", conversation=conv.id, max_output_tokens=100)
+    twin = client.conversations.create(extra_body={"seed": 31})
+    whole = client.responses.create(model=MODEL_NAME, input="The fox", conversation=twin.id, max_output_tokens=100)
+    assert again.output_text == whole.output_text
+    items = client.conversations.items.list(conv.id, order="asc").data
+    assert [i.role for i in items] == ["user", "assistant"] and items[1].content[0].text == whole.output_text
+    assert client.responses.retrieve(again.id).output_text == whole.output_text  # its snapshot
+    after = ask(client, "and then?", conversation=conv.id)  # other input: the next turn
+    assert after.output_text and len(client.conversations.items.list(conv.id).data) == 4

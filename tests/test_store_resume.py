@@ -238,6 +238,34 @@ def test_a_new_chat_turn_after_resume(tmp_path, model, mode):
     assert roles == ["system", "user", "assistant", "user", "assistant"]
 
 
+def test_a_cut_reply_is_known_as_the_reply_to_its_own_request_only(tmp_path, model, mode):
+    """`unfinished_reply_to`: a request resent after its reply was cut is that reply's request
+    (same messages, same settings) and `resume` finishes it as if nothing had happened; any other
+    request, or once the reply has ended, is not."""
+    question = [{"role": "user", "content": "What does the store keep?"}]
+    settings = dict(stop=("zzz",), temperature=0.7)
+    whole_store = kvstore.open_store(tmp_path / "whole")
+    with whole_store.new("c", model, seed=3, **MODES[mode]) as s:
+        whole = "".join(s.respond(question, 16, **settings))
+    store = kvstore.open_store(tmp_path / "home")
+    with store.new("c", model, seed=3, **MODES[mode]) as s:
+        pieces = s.respond(question, 16, **settings)
+        cut = "".join(next(pieces) for _ in range(6))
+        pieces.close()  # interrupted: checkpointed with its call recorded
+    with store.open("c", model) as s:
+        assert s.unfinished_reply_to(question, 16, **settings)
+        assert s.unfinished_reply_to([{**question[0], "name": "ignored"}], 16, **settings)  # role and text count
+        assert not s.unfinished_reply_to([{"role": "user", "content": "Something else?"}], 16, **settings)
+        assert not s.unfinished_reply_to(question + [{"role": "user", "content": "More?"}], 16, **settings)
+        assert not s.unfinished_reply_to(question, 17, **settings)
+        assert not s.unfinished_reply_to(question, 16, stop=(), temperature=0.7)
+        assert not s.unfinished_reply_to(question, 16, stop=("zzz",), temperature=0.8)
+        assert not s.unfinished_reply_to(question, 16, response_format={"type": "json_object"}, **settings)
+        assert cut + "".join(s.resume()) == whole
+        assert s.tokens == whole_store.tokens("c")
+        assert not s.unfinished_reply_to(question, 16, **settings)  # it has ended
+
+
 def test_a_warmed_up_store_opens_a_session_without_compiling_a_statement(tmp_path, model, monkeypatch):
     """Store.warm_up (what `kvstore serve` runs before it says it is ready) compiles an open's index
     statements and starts the restore's threads, so a process's first open pauses for neither; it

@@ -7,6 +7,7 @@ answers with a traceback.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from kvstore import errors
@@ -68,14 +69,30 @@ def from_library(e: BaseException) -> ApiError:
     return ApiError(500, f"internal error: {type(e).__name__}: {text}", type="server_error", code="internal_error")
 
 
+# the library's advice to the store's operator (commands of the `kvstore` CLI), which an API client cannot follow
+OPERATOR_HINT = re.compile(r"[.;] (?:[Rr]un `kvstore [^`]*`[^.;]*|Free some space \(kvstore [^)]*\)[^.;]*)"
+                           r"|\s*\(`kvstore [^`]*`[^)]*\)")
+# what a client can do instead, by code
+CLIENT_ADVICE = {
+    "corrupt_data": "; this session's stored data is damaged and cannot be continued: delete it "
+                    "(DELETE /v1/sessions/{name}) to start it again, or continue from a fork of it made earlier. "
+                    "The server's operator can check the store with `kvstore verify`",
+    "store_full": ". Try again later, once the server's operator has freed space",
+}
+
+
 def for_tenant(e: ApiError, tenant, public: str | None = None, stored: str | None = None) -> ApiError:
     """The error as the tenant may read it: its sessions by its own names (the store's prefix taken
-    out), and no path or command-line hint of the server's (a missing session is just not found)."""
+    out), no path of the server's (a missing session is just not found), and for a damaged
+    session or a full disk what the client can do (`CLIENT_ADVICE`) in place of the operator's
+    commands."""
     message = e.message
     if e.code == "session_not_found":
         if public is not None:
             return not_found("session", public)
         message = message.split(";")[0]
+    if e.code in CLIENT_ADVICE:
+        message = OPERATOR_HINT.sub("", message) + CLIENT_ADVICE[e.code].format(name=public or "NAME")
     if stored and public is not None:
         message = message.replace(repr(stored), repr(public))
     if tenant.prefix:

@@ -7,17 +7,19 @@ server's own view of it (`/proc/PID/root`). What a user may expect, and what is 
 
 - a request that must write (a turn on a stored session, a new session, a request of its own) is a
   507 in OpenAI's error shape (`server_error`, code `store_full`, a message that says the disk is
-  full), never a 500; streamed, before any output it is that HTTP status, after some output an
+  full and to try again later, not the operator's commands), never a 500; streamed, before any output it is that HTTP status, after some output an
   `{"error": ...}` event that ends the stream;
 - nothing is lost and nothing is half-written: the session reads back as it was, the server and
   its engine stay up (same process), reading (GET) still works;
 - once there is room again, the same requests succeed and the conversation goes on exactly: the
   turns' trace hashes equal the library's for the same conversation, and a stream cut by the full
-  disk, resent with `Last-Event-ID`, is finished so that the whole equals an uncut reply.
+  disk, resent with `Last-Event-ID`, is finished so that the whole equals an uncut reply; resent
+  without it (a retry), the reply is that uncut reply whole, not a second answer on a branch.
 
 A session whose stored KV was damaged (a flipped byte, found by its checksum when the server
-restores it) is a 422 `corrupt_data` that names the session and no path of the server's; the server,
-its engine and the other sessions go on, and the damaged session can still be read and deleted.
+restores it) is a 422 `corrupt_data` that names the session and no path of the server's, and says
+what the client can do (delete it, or continue from a fork); the server, its engine and the other
+sessions go on, and the damaged session can still be read and deleted.
 """
 
 from __future__ import annotations
@@ -96,6 +98,7 @@ def store_full(error: openai.APIStatusError) -> None:
     body = error.response.json()["error"]
     assert body["type"] == "server_error" and body["code"] == "store_full", body
     assert "disk is full" in body["message"] and "Traceback" not in error.response.text, body
+    assert "try again later" in body["message"].lower() and "kvstore gc" not in body["message"], body  # the client's advice
 
 
 def test_a_full_disk_is_a_507_that_loses_nothing_and_the_conversation_goes_on_exactly(server, disk, model_folder,
@@ -137,9 +140,9 @@ def test_a_full_disk_is_a_507_that_loses_nothing_and_the_conversation_goes_on_ex
     assert server.engine_pids() == engines
 
 
-def test_a_stream_cut_by_a_full_disk_ends_with_an_error_event_and_is_finished_once_there_is_room(server, disk):
-    whole = stream_events(server, long_request("uncut-stream"), {})
-    assert len(tokens_of(whole)) > 40
+def cut_by_a_full_disk(server, disk, name: str) -> list:
+    """The events of a long streamed reply on session `name` during which the disk fills (after 20
+    events): they end with the error event that says so."""
     filled = []
 
     def fill_at_20(out):
@@ -147,12 +150,20 @@ def test_a_stream_cut_by_a_full_disk_ends_with_an_error_event_and_is_finished_on
             disk.fill()
             filled.append(True)
 
-    with httpx.stream("POST", server.url + "/v1/chat/completions", json=long_request("cut-stream"), timeout=120) as r:
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=long_request(name), timeout=120) as r:
         assert r.status_code == 200
         got = sse_events(r.iter_lines(), fill_at_20)
     assert filled
     error = got[-1][1]["error"]  # the stream's last event: what stopped it, in OpenAI's shape
     assert error["code"] == "store_full" and error["type"] == "server_error" and "disk is full" in error["message"]
+    assert "kvstore gc" not in error["message"]
+    return got
+
+
+def test_a_stream_cut_by_a_full_disk_ends_with_an_error_event_and_is_finished_once_there_is_room(server, disk):
+    whole = stream_events(server, long_request("uncut-stream"), {})
+    assert len(tokens_of(whole)) > 40
+    got = cut_by_a_full_disk(server, disk, "cut-stream")
     assert len(tokens_of(got)) < len(tokens_of(whole))
 
     disk.free()
@@ -161,6 +172,23 @@ def test_a_stream_cut_by_a_full_disk_ends_with_an_error_event_and_is_finished_on
     assert rest[-1][1] is None  # [DONE]
     assert text_of(got[:-1]) + text_of(rest) == text_of(whole)
     assert tokens_of(got) + tokens_of(rest) == tokens_of(whole)
+
+
+def test_a_reply_cut_by_a_full_disk_and_retried_without_last_event_id_is_that_reply_whole(server, disk):
+    """A client that got the error and sends the same request again once there is room, not
+    streamed and without Last-Event-ID (as clients that retry do), gets the reply it would have had:
+    the cut one finished, no second answer on a branch."""
+    whole = stream_events(server, long_request("uncut-retry"), {})
+    got = cut_by_a_full_disk(server, disk, "cut-retry")
+    assert 0 < len(tokens_of(got)) < len(tokens_of(whole))
+
+    disk.free()
+    r = server.http().post("/v1/chat/completions", json={**long_request("cut-retry"), "stream": False}, timeout=120)
+    assert r.status_code == 200, r.text
+    retried = r.json()
+    assert retried["choices"][0]["message"]["content"] == text_of(whole)
+    assert [t["token"] for t in retried["kvstore"]["trace"]] == tokens_of(whole)
+    assert "cut-retry@1" not in {s["name"] for s in server.http().get("/v1/sessions").json()["data"]}
 
 
 # -- a damaged file ---------------------------------------------------------------------------------
@@ -187,6 +215,8 @@ def test_a_damaged_session_is_a_422_and_the_server_goes_on(tmp_path, model_folde
             error = damaged.value.response.json()["error"]
             assert error["code"] == "corrupt_data" and error["type"] == "invalid_request_error", error
             assert "'doc'" in error["message"] and "checksum" in error["message"], error
+            # what the client can do, not the operator's command line
+            assert "DELETE /v1/sessions/doc" in error["message"] and "export" not in error["message"], error
             assert str(home) not in error["message"] and "Traceback" not in damaged.value.response.text
         assert http.get("/v1/sessions/doc").status_code == 200  # its record reads back
         again = chat(client, "other", messages)  # another session (its first turn was the same) goes on

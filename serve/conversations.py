@@ -35,7 +35,7 @@ from typing import Any, Iterator
 from kvstore import errors
 
 from . import prefix_cache
-from .jobs import converse, replay, reply, resume, retried
+from .jobs import converse, held, replay, reply, resume, retried
 from .replies import Tokens
 
 
@@ -93,7 +93,7 @@ def retried_input(session, job: dict[str, Any]) -> bool:
     call, given = session.active_call, job["messages"]
     if not call or "message" not in call or call["message"] < len(given):
         return False
-    before = [{"role": m["role"], "content": m["text"]} for m in session.messages[:call["message"]]]
+    before = held(session, call["message"])
     return before[-len(given):] == given and retried(session, {**job, "messages": before})
 
 

@@ -56,9 +56,14 @@ class Plan:
     fork_at: int = 0  # cold: reuse the session's first fork_at positions (0: a new session)
 
 
+def held(session, end: int | None = None) -> list[dict[str, str]]:
+    """The session's messages (the first `end`) as a request sends them: role and content."""
+    return [{"role": m["role"], "content": m["text"]} for m in session.messages[:end]]
+
+
 def plan(session, messages: list[dict[str, str]]) -> Plan:
     """How to answer `messages` on `session` (see the module's docstring)."""
-    stored = [{"role": m["role"], "content": m["text"]} for m in session.messages]
+    stored = held(session)
     if not session.tokens:
         return Plan("cold", [])
     new = messages[len(stored):]

@@ -462,6 +462,19 @@ def test_last_event_id_after_kill_9_of_the_server_finishes_the_reply_exactly(tmp
         assert text_of(again) == "" and again[-1][1] is None  # it had everything: only the end
 
 
+def retried_whole(server, name: str, whole) -> dict:
+    """`long_request(name)` sent again, not streamed and without Last-Event-ID, after its reply was
+    cut: the reply is the uncut one (`whole`'s events), text and tokens, and no branch `NAME@1` was
+    made. Its JSON."""
+    r = server.http().post("/v1/chat/completions", json={**long_request(name), "stream": False}, timeout=120)
+    assert r.status_code == 200, r.text
+    retried = r.json()
+    assert retried["choices"][0]["message"]["content"] == text_of(whole)
+    assert [t["token"] for t in retried["kvstore"]["trace"]] == tokens_of(whole)
+    assert f"{name}@1" not in {s["name"] for s in server.http().get("/v1/sessions").json()["data"]}
+    return retried
+
+
 def test_a_cut_reply_resent_without_last_event_id_is_that_reply_whole_not_a_second_answer(tmp_path, model_folder):
     """A client that lost its reply (the server killed mid-stream) and sends the same request again
     without Last-Event-ID, not streamed, as a client that retries does, gets that reply whole: the
@@ -473,17 +486,12 @@ def test_a_cut_reply_resent_without_last_event_id_is_that_reply_whole_not_a_seco
         got = stream_events(server, long_request("cut"), {}, stop_after=40)
         server.kill()
         server.start()
-        r = server.http().post("/v1/chat/completions", json={**long_request("cut"), "stream": False}, timeout=120)
-        assert r.status_code == 200, r.text
-        retried = r.json()
-        assert retried["choices"][0]["message"]["content"] == text_of(whole)
-        assert [t["token"] for t in retried["kvstore"]["trace"]] == tokens_of(whole)
+        retried = retried_whole(server, "cut", whole)
         assert tokens_of(got) == tokens_of(whole)[:len(tokens_of(got))]
         usage = retried["usage"]
         assert usage["completion_tokens"] == len(tokens_of(whole))
         assert usage["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"]  # the prompt not read again
-        names = {s["name"] for s in server.http().get("/v1/sessions").json()["data"]}
-        assert "cut" in names and "cut@1" not in names
+        assert "cut" in {s["name"] for s in server.http().get("/v1/sessions").json()["data"]}
 
         other = {**long_request("cut-other"), "max_tokens": 150}
         stream_events(server, {**long_request("cut-other")}, {}, stop_after=40)

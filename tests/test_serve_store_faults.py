@@ -36,7 +36,7 @@ import kvstore
 import store_harness as H
 from serve_kit import LiveServer
 from test_serve_chat import (CHUNK, TURNS, chat, library_conversation, long_request, model_folder,  # noqa: F401
-                             sse_events, stream_events, text_of, tokens_of)
+                             retried_whole, sse_events, stream_events, text_of, tokens_of)
 
 DISK = "48m"  # the tmpfs under the server's home: the tiny model's sessions take a few MB
 
@@ -183,12 +183,7 @@ def test_a_reply_cut_by_a_full_disk_and_retried_without_last_event_id_is_that_re
     assert 0 < len(tokens_of(got)) < len(tokens_of(whole))
 
     disk.free()
-    r = server.http().post("/v1/chat/completions", json={**long_request("cut-retry"), "stream": False}, timeout=120)
-    assert r.status_code == 200, r.text
-    retried = r.json()
-    assert retried["choices"][0]["message"]["content"] == text_of(whole)
-    assert [t["token"] for t in retried["kvstore"]["trace"]] == tokens_of(whole)
-    assert "cut-retry@1" not in {s["name"] for s in server.http().get("/v1/sessions").json()["data"]}
+    retried_whole(server, "cut-retry", whole)
 
 
 # -- a damaged file ---------------------------------------------------------------------------------

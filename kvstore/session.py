@@ -417,6 +417,34 @@ class Session:
                 and (call["max_new_tokens"], call["stop"], call.get("format", "")) == (max_new_tokens, list(stop), fmt)
                 and settings == self.settings)
 
+    def unfinished_generation_after(self, prompt: list[int] | str, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, *,
+                                    stop: tuple[str, ...] = (), stop_at_eos: bool = True, response_format=None,
+                                    **sampling) -> int | None:
+        """Where `prompt` begins, when the generation that was interrupted here (a raw call still
+        recorded, `begin`'s or `generate`'s) is the one `begin(prompt, ...)` with these settings
+        started: the session's tokens just before that generation are the prompt's (ids, or text as
+        `begin` read it where it began) and the call was made with these settings. Else None. A
+        completion resent after its reply was cut is then answered by finishing that generation
+        (`resume`), not by appending its prompt a second time."""
+        self._check_open()
+        call = self.active_call
+        if not call or call.get("kind") != "raw":
+            return None
+        settings, fmt = self._call_settings(max_new_tokens, sampling, response_format)
+        if ((call["max_new_tokens"], call["stop"], call.get("format", ""), call.get("stop_at_eos", True))
+                != (max_new_tokens, list(stop), fmt, stop_at_eos) or settings != self.settings):
+            return None
+        end = call["start"]
+        tok = self.model.tokenizer
+        # text reads with the model's BOS first at the start of a session only (`encode_at`)
+        readings = [list(prompt)] if not isinstance(prompt, str) else [tok.encode_at(prompt, 0), tok.encode_at(prompt, 1)]
+        for ids in readings:
+            base = end - len(ids)
+            if base >= 0 and self.seq.tokens[base:end] == ids and (
+                    not isinstance(prompt, str) or ids == tok.encode_at(prompt, base)):
+                return base
+        return None
+
     def text(self, ids: Iterator[int]) -> Iterator[str]:
         """Text pieces of generated token ids (`generate`'s), no character split across two pieces."""
         decoder = StreamDecoder(self.model.tokenizer)

@@ -12,7 +12,9 @@ different sessions interleave token by token. Kinds:
   the old branch stays as `NAME@N`. The same request sent again after its reply was cut (no
   Last-Event-ID: a retry, `retried`) is answered with that reply, finished (`replay`).
 - `complete`: raw text appended to a session and continued (`/v1/completions`), as one call that
-  records the prompt with the generation (`Session.begin`).
+  records the prompt with the generation (`Session.begin`). The same completion sent again after
+  its generation was cut (no Last-Event-ID: `retried_prompt`) is that generation, finished (`replay`),
+  its prompt not appended again.
 - any job with `after` (a resumed stream): the reply that was interrupted after that position is
   replayed from the store and, if it was cut short, finished (`Session.resume`): only what comes
   after `after` is sent. A job run again after its engine died (`pool.Pool._resubmit`: `after` -1
@@ -168,6 +170,9 @@ def complete(engine, job: dict[str, Any]) -> Iterator[dict[str, Any]]:
     else:
         session, how, restore = engine.writer(job["session"], create=job.get("create"))
         check_seed(session, job.get("seed"))
+        if (base := retried_prompt(session, job)) is not None:  # a cut completion's request, resent: it, finished
+            yield from replay(engine, job, session, how, restore, base=base)
+            return
         # base: where the request's tokens begin, should it be run again after its engine died (`recorded_reply`)
         yield {"event": "start", "context": how if session.tokens else "computed", **restore, "created": how == "computed",
                "base": len(session.tokens)}
@@ -183,6 +188,19 @@ def complete(engine, job: dict[str, Any]) -> Iterator[dict[str, Any]]:
     if job.get("echo"):
         yield prompt_event(engine, job, tokens, scored, session.tokens)
     yield from reply(engine, session, session.resume(trace=tokens), tokens, job, cached)
+
+
+def retried_prompt(session, job: dict[str, Any]) -> int | None:
+    """Where its prompt began, when a completion resent without Last-Event-ID is the one whose
+    generation a cut left unfinished in the session (the same prompt just before it, the same
+    settings: `Session.unfinished_generation_after`): it is then answered with that generation, its
+    stored tokens replayed and the rest generated, rather than by appending its prompt a second time.
+    Not where log-probabilities are asked for (the stored tokens' were not kept)."""
+    if job.get("logprobs") is not None:
+        return None
+    return session.unfinished_generation_after(
+        job["prompt"], job["max_tokens"], stop=tuple(job.get("stop") or ()), response_format=job.get("format"),
+        **(job.get("sampling") or {}))
 
 
 def prompt_event(engine, job: dict[str, Any], tokens: Tokens, scored: list | None, held: list[int]) -> dict[str, Any]:
@@ -225,10 +243,12 @@ def resume(engine, job: dict[str, Any]) -> Iterator[dict[str, Any]]:
     yield from replay(engine, job, session, how, restore)
 
 
-def replay(engine, job: dict[str, Any], session, how: str, restore: dict[str, Any]) -> Iterator[dict[str, Any]]:
+def replay(engine, job: dict[str, Any], session, how: str, restore: dict[str, Any], *,
+           base: int | None = None) -> Iterator[dict[str, Any]]:
     """`resume` on the session opened for it (None: there is none: the request is run afresh), and
     the whole of a cut reply where a request resent without Last-Event-ID is the one it answers
-    (`chat`: no `reply_start`, `after` None)."""
+    (`chat`, `complete`: no `reply_start`, `after` None; a completion's `base`: where its prompt
+    began, said in the start event as `complete` says it)."""
     call = session.active_call if session is not None else None
     sent = job.get("reply_start")  # where the reply the client has began (None: it has no token of it)
     if sent is not None:
@@ -240,7 +260,7 @@ def replay(engine, job: dict[str, Any], session, how: str, restore: dict[str, An
     if start is None:  # it died before it recorded anything: nothing was sent
         yield from KINDS[job["kind"]](engine, {**job, "after": None})
         return
-    yield {"event": "start", "context": how, **restore}
+    yield {"event": "start", "context": how, **restore, **({"base": base} if base is not None else {})}
     tokens = Tokens.for_job(job, engine.model.tokenizer)
     if job.get("echo") and sent is None and not job.get("prompt_sent"):  # the echoed prompt never reached the API
         if tokens.top_logprobs is not None:

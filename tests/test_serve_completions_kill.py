@@ -6,6 +6,10 @@ reply the same text (the prompt is recorded with its call, `Session.begin`, and 
 from the store); streamed with `echo`, the reply still begins with the prompt, sent again by the
 engine that finished the call since the dead one never sent it. The engine is killed once the
 session's index row shows the prompt recorded and not all of it read, watched from this process.
+
+And when the whole server is killed while it streams a reply, the same completion resent without
+Last-Event-ID (as a client that retries sends it) is answered with that reply, finished: its prompt
+is not appended a second time (`jobs.retried_prompt`).
 """
 
 from __future__ import annotations
@@ -102,4 +106,63 @@ def test_a_named_sessions_prompt_cut_by_kill_9_while_read_is_held_once_and_answe
         session, text, _ = cut(server, store, "cut-echo", lambda name: streamed_text(server, name, PROMPT, echo=True))
         assert echoed.startswith(PROMPT) and text == echoed
         assert store.tokens(session) == store.tokens("uncut-echo")
+        store.close()
+
+
+TOLD = " ".join(f"line {i} of it." for i in range(4))  # short: the tiny model's context holds it twice
+
+
+def streamed_until(server, session: str, prompt: str, chunks: int, **more) -> str:
+    """The text of a streamed completion's first `chunks` chunks; then the client goes away."""
+    body = {"model": MODEL_NAME, "prompt": prompt, "temperature": 0, "session": session, "stream": True, **more}
+    got: list[str] = []
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=300) as r:
+        assert r.status_code == 200, r.read()
+        for chunk in _chunks(r.iter_lines()):
+            got.append(chunk["choices"][0]["text"])
+            if len(got) == chunks:
+                break
+    return "".join(got)
+
+
+def occurrences(seq: list[int], part: list[int]) -> int:
+    return sum(seq[i:i + len(part)] == part for i in range(len(seq) - len(part) + 1))
+
+
+def test_a_completion_cut_by_kill_9_of_the_server_and_resent_is_that_reply_whole_its_prompt_held_once(
+        tmp_path, model_folder):
+    """A completion on a named session whose stream the server's death cut, sent again without
+    Last-Event-ID and not streamed, gets the reply it would have had (the cut one finished from its
+    checkpoint), the session holding its prompt once, as an uncut run's; with `echo`, the prompt
+    before it. The same prompt with another max_tokens is another request: appended again."""
+    with LiveServer(tmp_path / "home", model_folder, "--chunk-size", str(CHUNK), "--threads", "1",
+                    "--checkpoint-every", "4") as server:
+        for name in ("uncut", "cut", "cut-echo", "cut-other"):
+            complete(server, name, "Hello there.")
+        store = kvstore.open_store(tmp_path / "home")
+        first = store.info("uncut").n_tokens
+        whole = complete(server, "uncut", TOLD, max_tokens=40)
+        text = whole["choices"][0]["text"]
+        prompt_ids = store.tokens("uncut")[first:whole["usage"]["prompt_tokens"]]
+        for name, more in (("cut", {}), ("cut-echo", {"echo": True}), ("cut-other", {})):
+            got = streamed_until(server, name, TOLD, 12, max_tokens=40, **more)
+            assert len(got) < len((TOLD if more else "") + text)  # cut before its end
+        server.kill()
+        server.start()
+
+        retried = complete(server, "cut", TOLD, max_tokens=40)
+        assert retried["choices"][0]["text"] == text
+        assert store.tokens("cut") == store.tokens("uncut")  # the prompt once, the reply finished after it
+        usage = retried["usage"]
+        assert usage["completion_tokens"] == whole["usage"]["completion_tokens"]
+        assert usage["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"]  # the prompt not read again
+
+        echoed = complete(server, "cut-echo", TOLD, max_tokens=40, echo=True)
+        assert echoed["choices"][0]["text"] == TOLD + text
+        assert store.tokens("cut-echo") == store.tokens("uncut")
+
+        other = complete(server, "cut-other", TOLD, max_tokens=41)
+        assert other["usage"]["prompt_tokens"] > whole["usage"]["prompt_tokens"] + len(prompt_ids)
+        assert occurrences(store.tokens("cut-other"), prompt_ids) == 2
+        assert occurrences(store.tokens("cut"), prompt_ids) == 1
         store.close()

@@ -266,6 +266,51 @@ def test_a_cut_reply_is_known_as_the_reply_to_its_own_request_only(tmp_path, mod
         assert not s.unfinished_reply_to(question, 16, **settings)  # it has ended
 
 
+@pytest.mark.parametrize("first, bos", [("", False), ("", True), ("Before it. ", False)],
+                         ids=["at-the-start", "at-the-start-after-bos", "after-text"])
+def test_a_cut_generation_is_known_as_the_one_its_own_prompt_began(tmp_path, model, mode, first, bos, monkeypatch):
+    """`unfinished_generation_after`: a completion resent after its generation was cut is the one
+    that began it (its prompt just before the generation, as text or ids, the same settings): it
+    says where the prompt began, and `resume` finishes the generation as if nothing had happened,
+    the prompt held once; any other request, or once the generation has ended, is not. The prompt
+    read at a session's start has the model's BOS before it, as `begin` read it there."""
+    monkeypatch.setattr(model.tokenizer, "add_bos", bos)
+    prompt = "The store keeps every layer of the cache"
+    settings = dict(stop=("zzz",), temperature=0.7)
+    whole_store = kvstore.open_store(tmp_path / "whole")
+    with whole_store.new("c", model, seed=3, **MODES[mode]) as s:
+        if first:
+            s.append_text(first)
+        s.begin(prompt, 16, **settings)
+        whole = "".join(s.resume())
+    store = kvstore.open_store(tmp_path / "home")
+    with store.new("c", model, seed=3, **MODES[mode]) as s:
+        if first:
+            s.append_text(first)
+        base = len(s.tokens)
+        s.begin(prompt, 16, **settings)
+        ids = s.tokens[base:]
+        assert (ids[0] == model.tokenizer.bos_id) == bos
+        pieces = s.resume()
+        cut = "".join(next(pieces) for _ in range(6))
+        pieces.close()  # interrupted: checkpointed with its call recorded
+    with store.open("c", model) as s:
+        assert s.unfinished_generation_after(prompt, 16, **settings) == base
+        assert s.unfinished_generation_after(ids, 16, **settings) == base  # the same prompt as ids
+        assert s.unfinished_generation_after(ids[1:], 16, **settings) == base + 1  # its end is a prompt too
+        assert s.unfinished_generation_after(prompt + ".", 16, **settings) is None
+        assert s.unfinished_generation_after("Something else", 16, **settings) is None
+        assert s.unfinished_generation_after(prompt, 17, **settings) is None
+        assert s.unfinished_generation_after(prompt, 16, stop=(), temperature=0.7) is None
+        assert s.unfinished_generation_after(prompt, 16, stop=("zzz",), temperature=0.8) is None
+        assert s.unfinished_generation_after(prompt, 16, stop_at_eos=False, **settings) is None
+        assert s.unfinished_generation_after(prompt, 16, response_format={"type": "json_object"}, **settings) is None
+        assert not s.unfinished_reply_to([{"role": "user", "content": prompt}], 16, **settings)  # not a chat reply
+        assert cut + "".join(s.resume()) == whole
+        assert s.tokens == whole_store.tokens("c")
+        assert s.unfinished_generation_after(prompt, 16, **settings) is None  # it has ended
+
+
 def test_a_warmed_up_store_opens_a_session_without_compiling_a_statement(tmp_path, model, monkeypatch):
     """Store.warm_up (what `kvstore serve` runs before it says it is ready) compiles an open's index
     statements and starts the restore's threads, so a process's first open pauses for neither; it

@@ -3,7 +3,9 @@ a restore whose layer files are not in the page cache reads them with direct I/O
 
 A direct read returns exactly the bytes a plain read does, wherever the destination sits and
 whatever the offset and length (aligned middle straight in, ends through the bounce buffer, or all
-of it bounced); a range the page cache lacks is `uncached`, one it holds is not; a session restored
+of it bounced), and pieces near each other in few reads (a conversation's many small extents of
+one layer file: two); a range the page cache mostly lacks is `uncached`, one it mostly holds is
+not; a session restored
 from evicted files continues exactly (trace equal to an uninterrupted run) and its damaged bytes are
 still caught; where direct I/O is refused the read is a plain one. A restore asks the page cache per
 layer file and reads on READ_THREADS helpers when its first layer file is out of it; in it, the
@@ -123,6 +125,11 @@ def test_a_range_out_of_the_page_cache_is_uncached_and_one_in_it_is_not(big_file
         assert not io.uncached(fd, 0, fileio.DIRECT_MIN - 1)  # small reads stay plain
         os.pread(fd, ALIGN, 0)  # the first page back: the rest is still out
         assert io.in_page_cache(fd, 0, ALIGN) and not io.in_page_cache(fd, 0, len(data))
+        assert io.uncached(fd, 0, len(data))
+        os.pread(fd, len(data), 0)
+        quarter = len(data) // 4 // ALIGN * ALIGN
+        os.posix_fadvise(fd, len(data) - quarter, 0, os.POSIX_FADV_DONTNEED)  # a quarter out: mostly cached, read plainly
+        assert not io.uncached(fd, 0, len(data)) and not io.in_page_cache(fd, 0, len(data))
     finally:
         os.close(fd)
 
@@ -273,6 +280,54 @@ def test_a_list_of_buffers_is_filled_in_order(big_file, sizes, misalign, direct)
         read = direct_io.pread_direct if direct else fileio.PosixIO().pread_into
         assert read(f.fileno(), bufs, offset) == sum(sizes)
     assert b"".join(b.tobytes() for b in bufs) == data[offset:offset + sum(sizes)]
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_a_list_of_buffers_cut_by_the_end_of_the_file_is_filled_up_to_it(big_file, direct):
+    path, data = big_file
+    sizes = [1000, 5000, 123]
+    bufs = [offset_buffer(n, 17) for n in sizes]
+    start = len(data) - 3000  # the file ends inside the second buffer
+    with open(path, "rb") as f:
+        read = direct_io.pread_direct if direct else fileio.PosixIO().pread_into
+        assert read(f.fileno(), bufs, start) == 3000
+    assert bufs[0].tobytes() + bufs[1][:2000].tobytes() == data[start:]
+
+
+@pytest.fixture
+def preadv_calls(monkeypatch):
+    """Every preadv this process makes, counted."""
+    calls = []
+    real = os.preadv
+    monkeypatch.setattr(os, "preadv", lambda fd, views, offset: (calls.append(offset), real(fd, views, offset))[1])
+    return calls
+
+
+def test_a_layer_file_of_many_small_extents_is_read_in_two_direct_reads(big_file, every_read_direct, preadv_calls):
+    """A conversation's layer file: a long prompt's extent, then a reply's checkpoints of a few tokens
+    each, every extent from a page boundary. One read covers them all (the bytes between them read
+    and dropped); in it, the long extent's aligned middle goes straight into the cache's memory and
+    everything else through one fill of the bounce buffer: two reads of the disk, where one per
+    extent took 17 and more."""
+    from kvstore.store import segments
+
+    path, data = big_file
+    token = 768  # bytes of one position in one layer file: token rows
+    lengths = [2319, 16, 3, 21, 1, 21, 1, 21, 1, 21, 1, 21, 1, 21, 1, 18, 1]
+    offsets, at = [], 0
+    for n in lengths:
+        offsets.append(at)
+        at = -(-(at + n * token) // ALIGN) * ALIGN  # the next extent from the next page boundary
+    cache = offset_buffer(sum(lengths) * token, 0)  # the cache's rows: the extents one after the other
+    reads, row = [], 0
+    for offset, n in zip(offsets, lengths):
+        reads.append(segments.ExtentRead(offset, cache[row:row + n * token], f"extent at {offset}"))
+        row += n * token
+    evict(path)
+    segments.read_extents_into(path, reads)
+    assert len(every_read_direct) == 1 and len(preadv_calls) == 2
+    for r in reads:
+        assert r.data.tobytes() == data[r.offset:r.offset + r.data.nbytes]
 
 
 def test_more_buffers_than_one_preadv_takes(big_file):

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
+from .. import direct_io
 from ..errors import CorruptData
 from ..fileio import close_all, io, reraise_full
 from . import codec
@@ -41,6 +42,11 @@ if TYPE_CHECKING:
     import torch
 
 PAGE = mmap.PAGESIZE
+# Extents of a layer file less than this many bytes apart are read in one request, the bytes between
+# them read and dropped (each extent begins at a page boundary: those of a reply's checkpoints, a few
+# tokens each, lie a fraction of a page apart). Reading up to 64 KiB more costs less than a request
+# of its own, which from the disk is a round trip.
+NEAR = 64 << 10
 LAYER_FILE = re.compile(r"layer-(\d{3,})\.kv")
 
 
@@ -323,13 +329,19 @@ def read_extents_into(path: Path, reads: list[ExtentRead], *, cached: bool = Fal
         start = min(r.offset for r in reads)
         uncached = not cached and io.uncached(fd, start, max(r.offset + r.data.nbytes for r in reads) - start)
         read = io.pread_direct_into if uncached else io.pread_into
-        for run in _adjacent(reads):  # one read for extents that follow each other in the file
+        for run in _near(reads):  # one read for extents near each other in the file, the gaps read and dropped
             end = run[-1].offset + run[-1].data.nbytes
             if size < end:
                 cut = next(r for r in run if size < r.offset + r.data.nbytes)
                 raise CorruptData(f"{cut.what}: file {path.name} is truncated ({size} bytes, the extent needs "
                                   f"{cut.offset + cut.data.nbytes}); the session cannot be restored")
-            if read(fd, [r.data for r in run], run[0].offset) != end - run[0].offset:
+            bufs, pos = [], run[0].offset
+            for r in run:
+                if r.offset > pos:
+                    bufs.append(direct_io.gap(r.offset - pos))
+                bufs.append(r.data)
+                pos = r.offset + r.data.nbytes
+            if read(fd, bufs, run[0].offset) != end - run[0].offset:
                 raise CorruptData(f"{run[0].what}: short read from {path.name}")
             for r in run:
                 if r.checksum is not None and codec.checksum(r.data) != r.checksum:  # the message only when needed
@@ -338,11 +350,11 @@ def read_extents_into(path: Path, reads: list[ExtentRead], *, cached: bool = Fal
         io.close(fd)
 
 
-def _adjacent(reads: list[ExtentRead]) -> list[list[ExtentRead]]:
-    """`reads` in runs whose file ranges follow each other."""
+def _near(reads: list[ExtentRead]) -> list[list[ExtentRead]]:
+    """`reads` in runs whose file ranges follow each other, in order, less than NEAR bytes apart."""
     runs: list[list[ExtentRead]] = []
     for r in reads:
-        if runs and runs[-1][-1].offset + runs[-1][-1].data.nbytes == r.offset:
+        if runs and 0 <= r.offset - (runs[-1][-1].offset + runs[-1][-1].data.nbytes) < NEAR:
             runs[-1].append(r)
         else:
             runs.append([r])

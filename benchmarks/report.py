@@ -713,7 +713,11 @@ def service_header(doc: dict, suite_machine: dict | None) -> list[str]:
              f"package, streaming, greedy, {cfg['max_tokens']} tokens a reply) resends the whole history each turn, "
              "and names the conversation for kvstore with `X-Session-Id`. TTFT: from the request to the first "
              "content chunk. Each server runs as its own process on a loopback port; a restart kills it "
-             "(SIGKILL) and starts it again on the same folder. " + served(sv) + "; llama.cpp runs "
+             "(SIGKILL) and starts it again on the same folder" + (
+                 " (kvstore then restores the sessions it held open, its default `--prewarm`, while no request "
+                 "waits: the restart case's turn finds its conversation in memory if that was done before the "
+                 "request came, and restores it itself otherwise)" if sv.get("kvstore_prewarm") else "") +
+             ". " + served(sv) + "; llama.cpp runs "
              "the GGUF's own Q4_1 weights with an f16 KV cache, in each prompt-cache mode: none, ram "
              "(`--cache True --cache_type ram`) and disk (`--cache True --cache_type disk`); for the round-robin "
              f"case its RAM cache is sized (`--cache_size`) for {cfg['cache_conversations']} conversations. "

@@ -492,6 +492,7 @@ def run(cfg: dict, threads: int, model: str, peer: bool, workdir: Path, modes=MO
     held = kvstore.load_model(gguf)  # how `kvstore serve` holds it by default on this machine
     out = {"config": dict(cfg), "threads": threads, "model": model, "model_file": gguf.name, "modes": list(modes),
            "kvstore_weights": held.weights, "kvstore_dtype": held.dtype_name,
+           "kvstore_prewarm": True,  # `kvstore serve`'s default, which the spec leaves as it is
            "targets": TARGETS, "not_measured": {k: v for k, v in why.items() if v}, "doc_chars": len(document),
            "servers": {p[0].label: {"base": p[0].notes, "many": p[1].notes} for p in pairs}}
     if not pairs:

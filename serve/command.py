@@ -77,6 +77,10 @@ def is_loopback(host: str) -> bool:
                    "times; at least 2 prompt rows a step, so every prompt is read).")
 @click.option("--max-open", default=100000, show_default=True, type=click.IntRange(1, 10**9),
               help="Sessions an engine keeps in memory between requests, at most (least recently used closed first).")
+@click.option("--prewarm/--no-prewarm", default=True, show_default=True,
+              help="After a start (a restart, a crash), each engine restores the sessions it held open before, "
+                   "the most recently used first, while no request is waiting (up to half of its --kv-memory), so "
+                   "the conversations in use come back in memory; the list is kept in HOME/serve/.")
 @click.option("--max-tokens", default=4096, show_default=True, type=click.IntRange(1, 10**7),
               help="The most tokens a request may generate (also the default).")
 @click.option("--max-body", default=8 * 2**20, show_default=True, type=click.IntRange(1024, 2**40),
@@ -98,7 +102,7 @@ def is_loopback(host: str) -> bool:
               help="One line per request: key=value text, or a JSON object.")
 @click.pass_obj
 def serve(app, host, port, model, served_model_name, dtype, weights, device, workers, threads, api_key_file, allow_unauthenticated,
-          origins, max_queue, max_running, kv_memory, prefix_cache, step_tokens, max_slowdown, max_open, max_tokens, max_body, max_import, chunk_size, checkpoint_every, grace,
+          origins, max_queue, max_running, kv_memory, prefix_cache, step_tokens, max_slowdown, max_open, prewarm, max_tokens, max_body, max_import, chunk_size, checkpoint_every, grace,
           keep_alive, log_format):
     """Serve the store over HTTP: an OpenAI-compatible API.
 
@@ -152,7 +156,7 @@ def serve(app, host, port, model, served_model_name, dtype, weights, device, wor
                          model_id=served_model_name, dtype=dtype, weights=weights, device=device, host=host, port=port,
                          workers=workers, threads=threads, api_keys=keys, allow_open=allow_unauthenticated,
                          allowed_origins=allowed,
-                         max_queue=max_queue, max_running=max_running, max_open=max_open, kv_memory=memory, prefix_cache=prefix_budget,
+                         max_queue=max_queue, max_running=max_running, max_open=max_open, prewarm=prewarm, kv_memory=memory, prefix_cache=prefix_budget,
                          step_tokens=step_tokens, max_slowdown=max_slowdown, max_tokens=max_tokens, max_body=max_body, max_import=max_import,
                          chunk_size=chunk_size, checkpoint_every=checkpoint_every, grace=grace,
                          keep_alive=keep_alive, log_format=log_format)

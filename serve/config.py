@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import os
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
 UNITS = {"": 1, "B": 1, "K": 10**3, "KB": 10**3, "KIB": 2**10, "M": 10**6, "MB": 10**6, "MIB": 2**20,
          "G": 10**9, "GB": 10**9, "GIB": 2**30, "T": 10**12, "TB": 10**12, "TIB": 2**40}
+
+
+def engine_of(session: str, workers: int) -> int:
+    """The engine a session is pinned to among `workers` (a hash of its name), so that one process
+    writes it (C7 across engines)."""
+    return zlib.crc32(session.encode()) % workers
 
 
 def parse_size(text: str, *, zero: bool = False) -> int:
@@ -46,6 +53,7 @@ class ServeConfig:
     max_queue: int = 64  # requests that may wait; beyond: 429
     max_running: int = 8  # requests running at once on one engine (their decode steps interleave)
     max_open: int = 100000  # sessions an engine keeps open between requests (besides the KV memory's bound)
+    prewarm: bool = True  # after a start, each engine restores the sessions it held open before (prewarm.py)
     kv_memory: int = 2 * 2**30  # bytes of paged KV memory, shared out among the engines
     prefix_cache: int = 2**30  # KV bytes of the prefix-cache entries (stateless requests' sessions); 0: off
     step_tokens: int = 512  # tokens one engine step's forward computes at most (decode rows + prompt rows)

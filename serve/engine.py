@@ -28,6 +28,7 @@ import kvstore
 
 from . import conversations, jobs
 from .batching import BatchedModel, Batcher
+from .prewarm import Prewarm, WorkingSet
 
 jobs.KINDS.update(conversations.KINDS)  # the Responses and Conversations APIs' jobs
 
@@ -192,10 +193,13 @@ def main(conn, settings: dict[str, Any]) -> None:
     engine.index = settings.get("engine", 0)
     warm_up(model, engine.pool)
     store.warm_up()  # the first request's open and checkpoint find the index statements compiled, the threads up
+    working = WorkingSet(store.home, engine.index)
+    held = working.load()  # read before any request changes what this engine holds
     conn.send({"event": "ready", "pid": os.getpid(), "model": settings["model_id"],
                "max_context": model.config.max_context, "eos_ids": sorted(model.tokenizer.eos_ids)})
     try:
-        Loop(conn, engine).run()
+        prewarm = Prewarm(engine, held, settings.get("workers", 1)) if settings.get("prewarm", True) else None
+        Loop(conn, engine, working, prewarm).run()
     finally:
         engine.close()
         store.close()
@@ -243,8 +247,9 @@ class Loop:
     """Runs the jobs: each engine step advances every running job by one event, their model calls
     batched (`batching.Batcher`: one forward for every decode token and the prompt rows its pace allows)."""
 
-    def __init__(self, conn, engine: Engine):
+    def __init__(self, conn, engine: Engine, working: WorkingSet | None = None, prewarm: Prewarm | None = None):
         self.conn, self.engine = conn, engine
+        self.working, self.prewarm = working, prewarm  # what it holds open, noted; what it held, restored
         self.running: OrderedDict[str, Any] = OrderedDict()
         self.stopping = False
         self.batcher = engine.batcher
@@ -256,9 +261,16 @@ class Loop:
         while not (self.stopping and not self.running):
             if self.steps and not self.running:  # idle: the last steps' sizes reach the metrics now
                 self._send_stats()
-            self._receive(0 if self.running else 0.5)
+            if not self.running and not self.prewarm and self.working is not None:
+                self.working.save(list(self.engine.sessions))  # idle: what it holds open, noted for its next start
+            self._receive(0 if self.running or self.prewarm else 0.5)
             if self.running:
                 self._step()
+            elif self.prewarm and not self.stopping:  # nothing to run: the next session it held before its start
+                if (done := self.prewarm.step()) is not None:
+                    self.prewarm = None
+                    if done["sessions"] or done["skipped"]:
+                        self._send(done)
 
     def _receive(self, timeout: float) -> None:
         try:

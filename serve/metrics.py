@@ -56,6 +56,9 @@ class Metrics:
         self.evictions = Counter("kvstore:kv_evictions_total",
                                  "Idle sessions evicted from KV memory to make room (restored on their next request)",
                                  registry=r)
+        self.prewarmed = Counter("kvstore:kv_prewarmed_sessions_total",
+                                 "Sessions an engine restored into KV memory after it started, the ones it held "
+                                 "open before (--prewarm), before any request asked for them", registry=r)
         self.step_sessions = Histogram("kvstore:batch_sessions_per_step",
                                        "Sessions computed in one forward of an engine step (continuous batching)",
                                        buckets=ROWS, registry=r)

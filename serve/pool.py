@@ -17,10 +17,10 @@ import logging
 import multiprocessing
 import threading
 import uuid
-import zlib
 from typing import Any
 
 from . import engine as engine_main
+from .config import engine_of
 from .failures import ApiError
 from .metrics import Metrics
 
@@ -114,7 +114,7 @@ class Pool:
 
     # -- jobs --------------------------------------------------------------------------------------
     def engine_for(self, session: str) -> int:
-        return zlib.crc32(session.encode()) % len(self.workers)
+        return engine_of(session, len(self.workers))
 
     async def submit(self, spec: dict[str, Any], engine: int, wait: float = 300.0) -> Job:
         job = Job(spec, engine)
@@ -166,6 +166,12 @@ class Pool:
             return
         if kind == "stats":
             self.metrics.engine_steps(msg)
+            return
+        if kind == "prewarmed":
+            self.metrics.prewarmed.inc(msg["sessions"])
+            log.info("engine %d restored %d of the sessions it held before it started (%d tokens) in %.2f s%s",
+                     worker.index, msg["sessions"], msg["tokens"], msg["seconds"],
+                     f"; {msg['skipped']} left out" if msg["skipped"] else "")
             return
         job = self.jobs.get(msg.get("id", ""))
         if job is None or job.finished:

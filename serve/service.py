@@ -57,7 +57,7 @@ class Service:
                     "model": config.model, "model_id": config.served_name(), "dtype": config.dtype,
                     "weights": config.weights, "device": config.device, "threads": config.engine_threads(), "max_open": config.max_open,
                     "kv_memory": config.engine_kv_memory(), "step_tokens": config.step_tokens,
-                    "max_slowdown": config.max_slowdown}
+                    "max_slowdown": config.max_slowdown, "workers": config.workers, "prewarm": config.prewarm}
         self.pool = Pool(settings, config.workers, self.metrics)
         self.admission = Admission(self.metrics, engines=config.workers, max_running=config.max_running,
                                    max_queue=config.max_queue)

@@ -214,17 +214,16 @@ def _read_pieces(dfd: int, pieces: list[tuple[int, memoryview, bool]]) -> int:
     while i < len(pieces):
         start, _, straight = pieces[i]
         j = i + 1
+        window = start - start % ALIGN  # a bounced group's first block in the bounce buffer
+        while j < len(pieces) and pieces[j][2] == straight and (
+                straight or pieces[j][0] + len(pieces[j][1]) - window <= BOUNCE):
+            j += 1
+        group = pieces[i:j]
         if straight:
-            while j < len(pieces) and pieces[j][2]:
-                j += 1
-            want = sum(len(p[1]) for p in pieces[i:j])
-            got = preadv_all(dfd, [p[1] for p in pieces[i:j]], start)
+            got = preadv_all(dfd, [p[1] for p in group], start)
         else:
-            window = start - start % ALIGN  # the bounce buffer's first block
-            while j < len(pieces) and not pieces[j][2] and pieces[j][0] + len(pieces[j][1]) - window <= BOUNCE:
-                j += 1
-            want = sum(len(p[1]) for p in pieces[i:j])
-            got = _bounced(dfd, pieces[i][1], start) if j == i + 1 else _bounced_together(dfd, pieces[i:j], window)
+            got = _bounced(dfd, group[0][1], start) if len(group) == 1 else _bounced_together(dfd, group, window)
+        want = sum(len(p[1]) for p in group)
         total += got
         if got < want:  # the end of the file
             break

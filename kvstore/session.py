@@ -407,15 +407,10 @@ class Session:
         the call was made with these settings. A request resent after its reply was cut (its client
         got an error, or lost the response) is then answered by finishing that reply (`resume`):
         the reply it would have had, not a second one."""
-        self._check_open()
-        call = self.active_call
-        if not call or call.get("kind") != "chat":
-            return False
-        settings, fmt = self._call_settings(max_new_tokens, sampling, response_format)
+        call = self._interrupted("chat", max_new_tokens, stop, True, response_format, sampling)
         asked = [{"role": m["role"], "content": m["content"]} for m in messages]
-        return ([{"role": m["role"], "content": m["text"]} for m in self.messages[:call["message"]]] == asked
-                and (call["max_new_tokens"], call["stop"], call.get("format", "")) == (max_new_tokens, list(stop), fmt)
-                and settings == self.settings)
+        return call is not None and [{"role": m["role"], "content": m["text"]}
+                                     for m in self.messages[:call["message"]]] == asked
 
     def unfinished_generation_after(self, prompt: list[int] | str, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, *,
                                     stop: tuple[str, ...] = (), stop_at_eos: bool = True, response_format=None,
@@ -426,24 +421,33 @@ class Session:
         `begin` read it where it began) and the call was made with these settings. Else None. A
         completion resent after its reply was cut is then answered by finishing that generation
         (`resume`), not by appending its prompt a second time."""
-        self._check_open()
-        call = self.active_call
-        if not call or call.get("kind") != "raw":
-            return None
-        settings, fmt = self._call_settings(max_new_tokens, sampling, response_format)
-        if ((call["max_new_tokens"], call["stop"], call.get("format", ""), call.get("stop_at_eos", True))
-                != (max_new_tokens, list(stop), fmt, stop_at_eos) or settings != self.settings):
+        call = self._interrupted("raw", max_new_tokens, stop, stop_at_eos, response_format, sampling)
+        if call is None:
             return None
         end = call["start"]
         tok = self.model.tokenizer
-        # text reads with the model's BOS first at the start of a session only (`encode_at`)
-        readings = [list(prompt)] if not isinstance(prompt, str) else [tok.encode_at(prompt, 0), tok.encode_at(prompt, 1)]
-        for ids in readings:
+        # (ids, whether they are read at a session's start): text has the model's BOS first there only (`encode_at`)
+        if isinstance(prompt, str):
+            readings = [(tok.encode_at(prompt, 0), True), (tok.encode_at(prompt, 1), False)]
+        else:
+            readings = [(list(prompt), None)]
+        for ids, at_start in readings:
             base = end - len(ids)
-            if base >= 0 and self.seq.tokens[base:end] == ids and (
-                    not isinstance(prompt, str) or ids == tok.encode_at(prompt, base)):
+            if base >= 0 and at_start in (None, base == 0) and self.seq.tokens[base:end] == ids:
                 return base
         return None
+
+    def _interrupted(self, kind: str, max_new_tokens: int, stop: tuple[str, ...], stop_at_eos: bool, response_format,
+                     sampling: dict[str, Any]) -> dict[str, Any] | None:
+        """The call interrupted here (still recorded) when it is a `kind` call made with these settings:
+        its limit, stops, stopping at EOS, format and sampler settings. Else None."""
+        self._check_open()
+        call = self.active_call
+        if not call or call.get("kind") != kind:
+            return None
+        settings, fmt = self._call_settings(max_new_tokens, sampling, response_format)
+        made = (call["max_new_tokens"], call["stop"], call.get("stop_at_eos", True), call.get("format", ""), self.settings)
+        return call if made == (max_new_tokens, list(stop), stop_at_eos, fmt, settings) else None
 
     def text(self, ids: Iterator[int]) -> Iterator[str]:
         """Text pieces of generated token ids (`generate`'s), no character split across two pieces."""

@@ -35,12 +35,18 @@ def complete(server, session: str, prompt: str, **more) -> dict:
     return r.json()
 
 
-def streamed_text(server, session: str, prompt: str, **more) -> str:
+def streamed_text(server, session: str, prompt: str, *, chunks: int | None = None, **more) -> str:
+    """A streamed completion's text; with `chunks`, its first `chunks` chunks' only: then the client goes away."""
     body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 4, "temperature": 0, "session": session,
             "stream": True, **more}
+    got: list[str] = []
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=300) as r:
         assert r.status_code == 200, r.read()
-        return "".join(chunk["choices"][0]["text"] for chunk in _chunks(r.iter_lines()))
+        for chunk in _chunks(r.iter_lines()):
+            got.append(chunk["choices"][0]["text"])
+            if len(got) == chunks:
+                break
+    return "".join(got)
 
 
 def _chunks(lines):
@@ -112,19 +118,6 @@ def test_a_named_sessions_prompt_cut_by_kill_9_while_read_is_held_once_and_answe
 TOLD = " ".join(f"line {i} of it." for i in range(4))  # short: the tiny model's context holds it twice
 
 
-def streamed_until(server, session: str, prompt: str, chunks: int, **more) -> str:
-    """The text of a streamed completion's first `chunks` chunks; then the client goes away."""
-    body = {"model": MODEL_NAME, "prompt": prompt, "temperature": 0, "session": session, "stream": True, **more}
-    got: list[str] = []
-    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=300) as r:
-        assert r.status_code == 200, r.read()
-        for chunk in _chunks(r.iter_lines()):
-            got.append(chunk["choices"][0]["text"])
-            if len(got) == chunks:
-                break
-    return "".join(got)
-
-
 def occurrences(seq: list[int], part: list[int]) -> int:
     return sum(seq[i:i + len(part)] == part for i in range(len(seq) - len(part) + 1))
 
@@ -145,7 +138,7 @@ def test_a_completion_cut_by_kill_9_of_the_server_and_resent_is_that_reply_whole
         text = whole["choices"][0]["text"]
         prompt_ids = store.tokens("uncut")[first:whole["usage"]["prompt_tokens"]]
         for name, more in (("cut", {}), ("cut-echo", {"echo": True}), ("cut-other", {})):
-            got = streamed_until(server, name, TOLD, 12, max_tokens=40, **more)
+            got = streamed_text(server, name, TOLD, chunks=12, max_tokens=40, **more)
             assert len(got) < len((TOLD if more else "") + text)  # cut before its end
         server.kill()
         server.start()

@@ -5,7 +5,8 @@ What it proves: after a kill -9 of the server, the conversations it held are in 
 their next request (its context "reused", not "restored"), and that reply is byte-identical (its trace
 tokens) to the same turn on a twin session that its own request restored (--no-prewarm); a session
 another writer holds and one deleted meanwhile are left out without an error, and their requests go
-on as before; an engine fills half of its KV memory at most, the most recently used session first.
+on as before; an engine fills half of its KV memory at most, the most recently used session first;
+an engine killed alone (the server starts another) restores what it held too.
 """
 
 from __future__ import annotations
@@ -75,6 +76,17 @@ def test_after_a_kill_9_the_sessions_held_open_are_in_memory_before_their_next_r
         twin = turn(server, "twin", second(firsts["twin"]))
         assert twin["kvstore"]["context"] == "restored"  # its own request restored it
         assert tokens(twin) == tokens(again) and twin["choices"][0]["message"] == again["choices"][0]["message"]
+
+
+def test_an_engine_killed_and_started_again_by_the_server_has_its_sessions_back(tmp_path, model_folder):
+    """kill -9 of the engine alone: the API process starts another, which restores what the dead one
+    held (its lock released by the kernel), before their next request."""
+    with LiveServer(tmp_path / "home", model_folder, "--chunk-size", str(CHUNK), "--threads", "1") as server:
+        first = turn(server, "a", FIRST)
+        killed = server.kill_engine()
+        prewarmed(server, 1)  # by the engine started after it
+        assert killed not in server.engine_pids()
+        assert turn(server, "a", second(first))["kvstore"]["context"] == "reused"
 
 
 def test_a_session_held_by_another_writer_or_deleted_is_left_out_and_its_request_goes_on(tmp_path, model_folder):

@@ -14,9 +14,11 @@ through the page cache in pieces, 30 files at once, and that took 30-60 ms for t
   Buffers that all are go in one request; otherwise each buffer whose memory sits at the same
   place modulo ALIGN as its file offset (a session's cache and its own files: both token-major from
   aligned starts) gets its aligned middle straight in and only the partial blocks at its ends
-  through a small bounce buffer, and the others go all through it. Neighbours go together: the
+  through a bounce buffer (a huge page per thread), and the others go all through it. Where the
+  engine's memory is small pages (free pages reported to a host: `straight_in`), everything goes
+  through the bounce buffer, which the disk fills faster than small pages. Neighbours go together: the
   straight parts that follow each other in one request, and the bounced parts that follow each
-  other in one read of the bounce buffer (a MiB) while they fit it. A session of many turns has
+  other in one read of the bounce buffer (2 MiB) while they fit it. A session of many turns has
   many small extents in each layer file (a reply's checkpoints, 1 to 21 tokens each): read one by
   one, a served 2,500-token conversation's 30 files took 480 direct reads and 73 ms, together 30
   (one a file, `segments.read_extents_into` reading the gaps between extents) and 39 ms (medians of
@@ -33,7 +35,7 @@ cache it afterwards (POSIX_FADV_WILLNEED) would read the disk a second time and 
 of its time for 47 MB, taken from the decode that follows a restore; as in a database with direct
 I/O, the process's own memory (the engine's pool of resident sessions) is the cache that counts.
 
-This module imports nothing of kvstore: `fileio` builds its I/O seam on it.
+This module imports nothing of kvstore but `pages`: `fileio` builds its I/O seam on it.
 """
 
 from __future__ import annotations
@@ -46,11 +48,19 @@ import threading
 
 import numpy as np
 
+from .pages import HUGE_PAGE, free_pages_reported, huge_pages
+
 ALIGN = 4096  # direct I/O alignment: the largest logical block of the disks we meet (512 or 4096)
-BOUNCE = 1 << 20  # bytes of the bounce buffer (per thread) for the parts that cannot go straight in
+BOUNCE = HUGE_PAGE  # bytes of the bounce buffer (per thread): one huge page where the system has them
 # A buffer smaller than this goes through the bounce buffer even where it could go straight in: with
 # its neighbours there it costs a copy, where a read of its own costs a request
 STRAIGHT_MIN = 64 << 10
+# direct reads in flight at once, in the whole process: the disks measured serve about four at their
+# full speed, and a restore runs more helpers than that (`store.extents.READ_THREADS`), so that while
+# four wait on the disk the others copy and verify what they read; without the bound every helper
+# reads at once, all of them finish together, and the disk idles while they all copy
+DEPTH = 4
+_in_flight = threading.BoundedSemaphore(DEPTH)
 CACHESTAT = 451  # the syscall's number, the same on every Linux architecture we run on (6.5+)
 CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 IOV_MAX = 1024  # buffers one preadv may take (Linux's UIO_MAXIOV)
@@ -107,11 +117,44 @@ _local = threading.local()
 
 
 def _bounce() -> np.ndarray:
-    """This thread's page-aligned bounce buffer (BOUNCE bytes)."""
+    """This thread's page-aligned bounce buffer (BOUNCE bytes): a huge page where the system has
+    them (`pages.huge_pages`), else small pages; written once when made, so that no read faults it in."""
     buf = getattr(_local, "bounce", None)
     if buf is None:
-        buf = _local.bounce = np.frombuffer(mmap.mmap(-1, BOUNCE), np.uint8)  # anonymous: page-aligned
+        buf = huge_pages(BOUNCE)
+        _local.huge = buf is not None
+        if buf is None:  # private and anonymous: page-aligned
+            buf = np.frombuffer(mmap.mmap(-1, BOUNCE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), np.uint8)
+        buf[::mmap.PAGESIZE] = 0
+        _local.bounce = buf
     return buf
+
+
+def prepare_thread() -> None:
+    """Make this thread's bounce buffer now, so that its first direct read does not wait for it."""
+    _bounce()
+
+
+def straight_in() -> bool:
+    """Whether the aligned middle of a large destination is read straight into it (else the whole
+    read goes through this thread's bounce buffer and is copied out). Straight, except where free
+    pages are reported to a host (`pages.free_pages_reported`) and the bounce buffer is a huge page:
+    the engine's long-lived memory (a restored cache's) is small pages there, and a direct read into
+    small pages gives the disk one 4 KiB piece of memory per page, a 2 MiB huge page one piece (the
+    virtio disk there takes 254 pieces a request). 47 MB in 30 files out of the page cache (a
+    2,048-token session's layer files), read on 4 threads: 13-15 ms into huge pages, 45-51 ms into
+    small ones, 23-27 ms plainly through the page cache as one 47 MB file (medians of 7-9). A restore
+    of that session into a cache's kept memory: 33-37 ms straight in, 26-28 ms through the bounce
+    buffer, copies included; a new process's first: 38-39 against 34-35 ms (medians of 8, two
+    alternated rounds; AMD EPYC, Zen 1 kind, KVM, ext4 on virtio)."""
+    _bounce()
+    return not (_local.huge and free_pages_reported())
+
+
+def _copy_out(dest: memoryview, scratch: np.ndarray, at: int, n: int) -> None:
+    """dest[:n] = scratch[at:at + n], with the GIL released for large copies (numpy's), so the other
+    reading threads go on meanwhile."""
+    np.copyto(np.frombuffer(dest, np.uint8, n), scratch[at:at + n])
 
 
 def gap(n: int) -> memoryview:
@@ -146,20 +189,27 @@ def preadv_all(fd: int, views: list[memoryview], offset: int) -> int:
     return total
 
 
+def _read_disk(dfd: int, views: list[memoryview], offset: int) -> int:
+    """`preadv_all` of a direct read, as one of the DEPTH in flight."""
+    with _in_flight:
+        return preadv_all(dfd, views, offset)
+
+
 def _bounced(dfd: int, dest: memoryview, offset: int) -> int:
     """Fill `dest` (any memory) from `offset` (any) through the bounce buffer; the bytes filled."""
-    scratch = memoryview(_bounce())
+    buf = _bounce()
+    scratch = memoryview(buf)
     done = 0
     while done < len(dest):
         pos = offset + done
         start = pos - pos % ALIGN
         want = min(len(dest) - done, BOUNCE - (pos - start))
         span = -(-(pos - start + want) // ALIGN) * ALIGN  # whole blocks covering the wanted bytes
-        got = preadv_all(dfd, [scratch[:span]], start) - (pos - start)
+        got = _read_disk(dfd, [scratch[:span]], start) - (pos - start)
         if got <= 0:
             break
         got = min(got, want)
-        dest[done:done + got] = scratch[pos - start:pos - start + got]
+        _copy_out(dest[done:], buf, pos - start, got)
         done += got
         if got < want:  # the end of the file
             break
@@ -176,24 +226,25 @@ def pread_direct(fd: int, bufs, offset: int) -> int:
     refused. Buffers that are all aligned (memory and length), from an aligned offset, are one read;
     otherwise as `_pieces` cuts them, in as few reads as it allows (`_read_pieces`)."""
     views = views_of(bufs)
+    straight = straight_in()
     dfd = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_DIRECT | CLOEXEC)  # the same file, opened for direct I/O
     try:
-        if offset % ALIGN == 0 and all(len(v) % ALIGN == 0 and _address(v) % ALIGN == 0 for v in views):
-            return preadv_all(dfd, views, offset)
-        return _read_pieces(dfd, _pieces(views, offset))
+        if straight and offset % ALIGN == 0 and all(len(v) % ALIGN == 0 and _address(v) % ALIGN == 0 for v in views):
+            return _read_disk(dfd, views, offset)
+        return _read_pieces(dfd, _pieces(views, offset, straight))
     finally:
         os.close(dfd)
 
 
-def _pieces(views: list[memoryview], offset: int) -> list[tuple[int, memoryview, bool]]:
+def _pieces(views: list[memoryview], offset: int, straight: bool = True) -> list[tuple[int, memoryview, bool]]:
     """The views, filled in order from `offset`, as (file offset, view, straight) pieces in file
-    order: a view whose memory sits at the same place modulo ALIGN as its file offset (and that
-    spans STRAIGHT_MIN bytes at least) gives its aligned middle as a straight piece and its partial
-    ends as bounced ones; any other view is one bounced piece."""
+    order: where `straight`, a view whose memory sits at the same place modulo ALIGN as its file
+    offset (and that spans STRAIGHT_MIN bytes at least) gives its aligned middle as a straight piece
+    and its partial ends as bounced ones; any other view is one bounced piece."""
     pieces, pos = [], offset
     for v in views:
         n = len(v)
-        if n >= STRAIGHT_MIN and (_address(v) - pos) % ALIGN == 0:
+        if straight and n >= STRAIGHT_MIN and (_address(v) - pos) % ALIGN == 0:
             head = -pos % ALIGN  # bytes before the first aligned file offset
             body = (n - head) // ALIGN * ALIGN
             pieces += [(pos, v[:head], False), (pos + head, v[head:head + body], True),
@@ -220,7 +271,7 @@ def _read_pieces(dfd: int, pieces: list[tuple[int, memoryview, bool]]) -> int:
             j += 1
         group = pieces[i:j]
         if straight:
-            got = preadv_all(dfd, [p[1] for p in group], start)
+            got = _read_disk(dfd, [p[1] for p in group], start)
         else:
             got = _bounced(dfd, group[0][1], start) if len(group) == 1 else _bounced_together(dfd, group, window)
         want = sum(len(p[1]) for p in group)
@@ -235,14 +286,15 @@ def _bounced_together(dfd: int, pieces: list[tuple[int, memoryview, bool]], wind
     """Pieces that follow each other in the file, all within BOUNCE bytes of `window` (aligned),
     read in one direct read into the bounce buffer and copied out; the bytes filled (short where the
     file ends)."""
-    scratch = memoryview(_bounce())
+    buf = _bounce()
+    scratch = memoryview(buf)
     end = pieces[-1][0] + len(pieces[-1][1])
     span = -(-(end - window) // ALIGN) * ALIGN  # whole blocks covering the pieces
-    have = window + preadv_all(dfd, [scratch[:span]], window)  # the file's bytes up to here are in the buffer
+    have = window + _read_disk(dfd, [scratch[:span]], window)  # the file's bytes up to here are in the buffer
     done = 0
     for pos, view, _ in pieces:
         n = max(0, min(len(view), have - pos))
-        view[:n] = scratch[pos - window:pos - window + n]
+        _copy_out(view, buf, pos - window, n)
         done += n
         if n < len(view):
             break

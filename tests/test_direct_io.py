@@ -3,7 +3,8 @@ a restore whose layer files are not in the page cache reads them with direct I/O
 
 A direct read returns exactly the bytes a plain read does, wherever the destination sits and
 whatever the offset and length (aligned middle straight in, ends through the bounce buffer, or all
-of it bounced), and pieces near each other in few reads (a conversation's many small extents of
+of it bounced, as where the engine's memory is small pages: then the disk writes into the bounce
+buffer only, a huge page), and pieces near each other in few reads (a conversation's many small extents of
 one layer file: two); a range the page cache mostly lacks is `uncached`, one it mostly holds is
 not; a session restored
 from evicted files continues exactly (trace equal to an uninterrupted run) and its damaged bytes are
@@ -74,6 +75,14 @@ def big_file(tmp_path):
     return path, write_file(path, 3 * direct_io.BOUNCE + 12345)  # several bounce buffers, an odd end
 
 
+@pytest.fixture(params=[True, False], ids=["straight", "all-bounced"])
+def straight(request, monkeypatch):
+    """Both ways of reading: aligned middles straight into their memory, or everything through the
+    bounce buffer (where the engine's memory is small pages: `direct_io.straight_in`)."""
+    monkeypatch.setattr(direct_io, "straight_in", lambda: request.param)
+    return request.param
+
+
 def offset_buffer(nbytes: int, misalign: int) -> np.ndarray:
     """nbytes of writable memory starting `misalign` bytes past a page boundary."""
     whole = np.frombuffer(bytearray(nbytes + 2 * ALIGN), np.uint8)
@@ -89,7 +98,7 @@ def offset_buffer(nbytes: int, misalign: int) -> np.ndarray:
     (777, 3 * direct_io.BOUNCE + 5, 3),      # bounced in several pieces
     (12, 1000, 12),                          # under two blocks
 ])
-def test_a_direct_read_returns_the_bytes_of_a_plain_read(big_file, offset, nbytes, misalign):
+def test_a_direct_read_returns_the_bytes_of_a_plain_read(big_file, offset, nbytes, misalign, straight):
     path, data = big_file
     out = offset_buffer(nbytes, misalign)
     out[:] = 0xAB
@@ -99,7 +108,7 @@ def test_a_direct_read_returns_the_bytes_of_a_plain_read(big_file, offset, nbyte
 
 
 @pytest.mark.parametrize("left, congruent", [(1000, False), (1000, True), (30, True)])
-def test_a_direct_read_past_the_end_of_the_file_is_short(big_file, left, congruent):
+def test_a_direct_read_past_the_end_of_the_file_is_short(big_file, left, congruent, straight):
     """All through the bounce buffer, or straight in where memory and file offset agree (30 bytes
     left: the file ends inside the partial block before the aligned middle)."""
     path, data = big_file
@@ -176,7 +185,7 @@ def reference(tmp_path_factory, model):
     return tokens, H.by_position(H.read_trace(trace))
 
 
-def test_a_session_restored_from_evicted_files_continues_exactly(tmp_path, model, reference, every_read_direct):
+def test_a_session_restored_from_evicted_files_continues_exactly(tmp_path, model, reference, every_read_direct, straight):
     store, trace, live, files = evicted_session(tmp_path, model, reference)
     with store.open("s", model) as s:
         assert len(every_read_direct) >= len(files)  # every layer file read past the page cache
@@ -268,7 +277,7 @@ def test_where_direct_io_is_refused_the_read_is_a_plain_one(tmp_path, model, ref
     ([1000, 5000, 123], 17),              # nothing aligned: each through the bounce buffer
 ])
 @pytest.mark.parametrize("direct", [True, False])
-def test_a_list_of_buffers_is_filled_in_order(big_file, sizes, misalign, direct):
+def test_a_list_of_buffers_is_filled_in_order(big_file, sizes, misalign, direct, straight):
     path, data = big_file
     whole = offset_buffer(sum(sizes), misalign)
     bufs, at = [], 0
@@ -283,7 +292,7 @@ def test_a_list_of_buffers_is_filled_in_order(big_file, sizes, misalign, direct)
 
 
 @pytest.mark.parametrize("direct", [True, False])
-def test_a_list_of_buffers_cut_by_the_end_of_the_file_is_filled_up_to_it(big_file, direct):
+def test_a_list_of_buffers_cut_by_the_end_of_the_file_is_filled_up_to_it(big_file, direct, straight):
     path, data = big_file
     sizes = [1000, 5000, 123]
     bufs = [offset_buffer(n, 17) for n in sizes]
@@ -303,12 +312,13 @@ def preadv_calls(monkeypatch):
     return calls
 
 
-def test_a_layer_file_of_many_small_extents_is_read_in_two_direct_reads(big_file, every_read_direct, preadv_calls):
+def test_a_layer_file_of_many_small_extents_is_read_in_two_direct_reads(big_file, every_read_direct, preadv_calls,
+                                                                        straight):
     """A conversation's layer file: a long prompt's extent, then a reply's checkpoints of a few tokens
     each, every extent from a page boundary. One read covers them all (the bytes between them read
     and dropped); in it, the long extent's aligned middle goes straight into the cache's memory and
     everything else through one fill of the bounce buffer: two reads of the disk, where one per
-    extent took 17 and more."""
+    extent took 17 and more. All through the bounce buffer (it holds them all): one."""
     from kvstore.store import segments
 
     path, data = big_file
@@ -325,7 +335,7 @@ def test_a_layer_file_of_many_small_extents_is_read_in_two_direct_reads(big_file
         row += n * token
     evict(path)
     segments.read_extents_into(path, reads)
-    assert len(every_read_direct) == 1 and len(preadv_calls) == 2
+    assert len(every_read_direct) == 1 and len(preadv_calls) == (2 if straight else 1)
     for r in reads:
         assert r.data.tobytes() == data[r.offset:r.offset + r.data.nbytes]
 
@@ -336,3 +346,75 @@ def test_more_buffers_than_one_preadv_takes(big_file):
     with open(path, "rb") as f:
         assert fileio.PosixIO().pread_into(f.fileno(), bufs, 7) == 10 * len(bufs)
     assert b"".join(b.tobytes() for b in bufs) == data[7:7 + 10 * len(bufs)]
+
+
+@pytest.mark.parametrize("reported", [False, True])
+def test_reads_go_straight_in_unless_the_engines_memory_is_small_pages(monkeypatch, reported):
+    """Where free pages are reported to a host, the engine's long-lived memory (a restored cache's)
+    is small pages (`engine.buffers.lasting_pages`), and the disk fills a huge page faster than
+    small ones: reads go through the bounce buffer there, when it is a huge page."""
+    from kvstore import pages
+
+    monkeypatch.setattr(direct_io, "free_pages_reported", lambda: reported)
+    bounce = direct_io._bounce()
+    assert len(bounce) == direct_io.BOUNCE and bounce.ctypes.data % ALIGN == 0
+    huge = direct_io._local.huge
+    assert huge == (pages.huge_pages(pages.HUGE_PAGE) is not None)
+    if huge:
+        assert bounce.ctypes.data % pages.HUGE_PAGE == 0  # one huge page: one piece of memory for the disk
+    assert direct_io.straight_in() is not (reported and huge)
+
+
+def test_all_bounced_the_disk_writes_into_the_bounce_buffer_only(big_file, monkeypatch):
+    """Aligned memory and offsets that a straight read would fill in one request: with straight reads
+    off, every request's memory lies in the bounce buffer (its 2 MiB at most), and the bytes arrive."""
+    monkeypatch.setattr(direct_io, "straight_in", lambda: False)
+    path, data = big_file
+    targets = []
+    real = os.preadv
+    monkeypatch.setattr(os, "preadv", lambda fd, views, offset: (
+        targets.extend(np.frombuffer(v, np.uint8).ctypes.data for v in views), real(fd, views, offset))[1])
+    out = offset_buffer(2 * direct_io.BOUNCE + 8 * ALIGN, 0)
+    with open(path, "rb") as f:
+        assert direct_io.pread_direct(f.fileno(), out, 4 * ALIGN) == len(out)
+    assert out.tobytes() == data[4 * ALIGN:4 * ALIGN + len(out)]
+    bounce = direct_io._bounce().ctypes.data
+    assert len(targets) == 3 and all(t == bounce for t in targets)
+
+
+def test_no_more_than_depth_direct_reads_are_in_flight_at_once(big_file, monkeypatch, straight):
+    """A restore's helpers outnumber the reads the disk takes at once (`extents.READ_THREADS`): the
+    others copy and verify meanwhile. At most DEPTH of them wait on the disk together, and more
+    than one does."""
+    import threading
+    import time
+
+    path, data = big_file
+    lock, now, most = threading.Lock(), [0], [0]
+    real = os.preadv
+
+    def slow(fd, views, offset):
+        with lock:
+            now[0] += 1
+            most[0] = max(most[0], now[0])
+        time.sleep(0.02)
+        try:
+            return real(fd, views, offset)
+        finally:
+            with lock:
+                now[0] -= 1
+
+    monkeypatch.setattr(os, "preadv", slow)
+    outs = [offset_buffer(64 << 10, 0) for _ in range(3 * direct_io.DEPTH)]
+
+    def read(out):
+        with open(path, "rb") as f:
+            assert direct_io.pread_direct(f.fileno(), out, 8 * ALIGN) == len(out)
+
+    threads = [threading.Thread(target=read, args=(out,)) for out in outs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert 1 < most[0] <= direct_io.DEPTH
+    assert all(out.tobytes() == data[8 * ALIGN:8 * ALIGN + (64 << 10)] for out in outs)

@@ -325,13 +325,13 @@ def test_a_large_pool_sits_on_huge_pages_unless_free_pages_go_back_to_a_host(mon
 
 
 def test_free_page_reporting_is_read_from_the_balloons_feature_bits(monkeypatch, tmp_path):
-    from kvstore.engine import buffers
+    from kvstore import pages
 
-    monkeypatch.setattr(buffers, "BALLOONS", tmp_path)
+    monkeypatch.setattr(pages, "BALLOONS", tmp_path)
     for features, expected in [(None, False), ("0110000100", False), ("0110010100", True), ("011", False)]:
-        buffers.free_pages_reported.cache_clear()
+        pages.free_pages_reported.cache_clear()
         if features is not None:
             (tmp_path / "virtio3").mkdir(exist_ok=True)
             (tmp_path / "virtio3" / "features").write_text(features + "\n")
-        assert buffers.free_pages_reported() is expected, features
-    buffers.free_pages_reported.cache_clear()
+        assert pages.free_pages_reported() is expected, features
+    pages.free_pages_reported.cache_clear()

@@ -57,41 +57,47 @@ def test_calls_from_inside_helpers_finish_even_with_every_helper_busy():
     assert parallel_map(inner_sum, range(outer), threads=workers.MAX_HELPERS) == [10 * x + 45 for x in range(outer)]
 
 
-def _in_child(queue) -> None:
-    queue.put(parallel_map(lambda x: x + 1, range(6), threads=2))
+def in_forked_child(fn):
+    """fn() run in a forked child (which makes its own pool), its result sent back."""
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=lambda: queue.put(fn()))
+    child.start()
+    try:
+        result = queue.get(timeout=30)
+    finally:
+        child.join(timeout=30)
+    assert child.exitcode == 0
+    return result
 
 
 def test_a_forked_child_gets_its_own_pool():
     parallel_map(abs, range(4), threads=2)  # the parent's pool exists, with its threads
-    ctx = multiprocessing.get_context("fork")
-    queue = ctx.Queue()
-    child = ctx.Process(target=_in_child, args=(queue,))
-    child.start()
-    try:
-        assert queue.get(timeout=30) == [1, 2, 3, 4, 5, 6]
-    finally:
-        child.join(timeout=30)
-    assert child.exitcode == 0
+    assert in_forked_child(lambda: parallel_map(lambda x: x + 1, range(6), threads=2)) == [1, 2, 3, 4, 5, 6]
 
 
-def _threads_started(queue) -> None:
+def _threads_started() -> list[str]:
     before = {t.name for t in threading.enumerate()}
     workers.start_threads(3, ["kvstore-test-serial"])
-    after = {t.name for t in threading.enumerate()} - before
-    queue.put(sorted(after))
+    return sorted({t.name for t in threading.enumerate()} - before)
 
 
 def test_start_threads_starts_the_helpers_and_the_serial_threads_named():
     """What a store's warm_up starts before a service says it is ready, in a process that has none yet
     (a forked child makes its pool afresh): the helpers asked for and each serial thread named."""
-    ctx = multiprocessing.get_context("fork")
-    queue = ctx.Queue()
-    child = ctx.Process(target=_threads_started, args=(queue,))
-    child.start()
-    try:
-        started = queue.get(timeout=30)
-    finally:
-        child.join(timeout=30)
-    assert child.exitcode == 0
+    started = in_forked_child(_threads_started)
     assert sum(n.startswith(workers.PREFIX) for n in started) == 3
     assert "kvstore-test-serial_0" in started
+
+
+def _prepared_threads() -> list[str]:
+    names = []
+    workers.start_threads(3, prepare=lambda: names.append(threading.current_thread().name))
+    return sorted(names)
+
+
+def test_start_threads_prepares_each_helper_once():
+    """`prepare` (a store's warm_up: each reading thread's bounce buffer) runs once in each helper
+    started, before start_threads returns."""
+    names = in_forked_child(_prepared_threads)
+    assert len(names) == 3 and len(set(names)) == 3 and all(n.startswith(workers.PREFIX) for n in names)

@@ -8,20 +8,21 @@ kept; a buffer given twice is held once (handing it out twice would make two use
 `borrow(nbytes)` takes one that fits or makes a new one with the pool's `new`. `clear()` gives
 everything back to the allocator, and so to the OS. Thread-safe.
 
-`huge_pages(nbytes)` makes such a long-lived buffer from an anonymous mapping whose whole 2 MiB
-pages are advised for transparent huge pages (Linux, THP in `always` or `madvise` mode), so a
-first write into fresh memory faults once per 2 MiB instead of once per 4 KiB: reading 47 MB into
+`huge_pages(nbytes)` (`kvstore.pages`) makes such a long-lived buffer from an anonymous mapping whose
+whole 2 MiB pages are advised for transparent huge pages (Linux, THP in `always` or `madvise` mode),
+so a first write into fresh memory faults once per 2 MiB instead of once per 4 KiB: reading 47 MB into
 fresh memory took 40 ms, into huge pages 5 ms (AMD EPYC Zen 5, KVM). Only whole huge pages inside
 the buffer are advised, so a buffer never occupies more than its size; where huge pages cannot
 apply (small buffers, no THP) it returns None and the caller takes ordinary memory.
 
 `small_pages(nbytes)` is the opposite: a long-lived buffer advised against huge pages, which
-`lasting_pages(nbytes)` (the choice for session caches and the paged KV pool) takes instead of
-huge pages on a system where `free_pages_reported()`: a virtio balloon there reports free memory to the host (free page
-reporting, in blocks of 2 MiB), which takes it back, so a fresh huge page is faulted in from the
-host. That took 10-20 ms a page: 64 MiB of fresh huge pages 380-640 ms to first write, of 4 KiB
-pages 25 ms (Intel Xeon with AMX, KVM), and a decode step of 8 sessions whose caches crossed into
-new huge pages of all 30 layers at once took 0.6 s instead of 15 ms.
+`lasting_pages(nbytes)` (the choice for session caches and the paged KV pool) takes instead of huge
+pages on a system where `free_pages_reported()` (`kvstore.pages`): a virtio balloon there reports
+free memory to the host (free page reporting, in blocks of 2 MiB), which takes it back, so a fresh
+huge page is faulted in from the host. That took 10-20 ms a page: 64 MiB of fresh huge pages
+380-640 ms to first write, of 4 KiB pages 25 ms (Intel Xeon with AMX, KVM), and a decode step of 8
+sessions whose caches crossed into new huge pages of all 30 layers at once took 0.6 s instead of
+15 ms.
 
 `HugeArena` hands out pieces of such buffers to long-lived tensors too small for whole huge pages of
 their own (a model's weight matrices, 0.2 to 30 MB each): reading weights from huge pages takes a
@@ -46,13 +47,12 @@ import errno
 import mmap
 import os
 import threading
-from functools import lru_cache
-from pathlib import Path
 from typing import Callable
 
 import numpy as np
 
-HUGE_PAGE = 2 << 20
+from ..pages import HUGE_PAGE, free_pages_reported, huge_pages
+
 PAGE = mmap.PAGESIZE
 MADV_POPULATE_WRITE = 23  # <linux/mman.h>, Linux 5.14+
 
@@ -139,48 +139,12 @@ class BufferPool:
             self._free, self._sizes, self._ids, self._held = [], [], set(), 0
 
 
-def huge_pages(nbytes: int) -> np.ndarray | None:
-    """A new flat uint8 array of nbytes (zeros) starting on a 2 MiB boundary, its whole 2 MiB pages
-    advised for huge pages; None where they cannot apply (under 2 MiB, no THP on this system)."""
-    advice = getattr(mmap, "MADV_HUGEPAGE", None)
-    if advice is None or not hasattr(mmap, "MAP_ANONYMOUS") or nbytes < HUGE_PAGE:
-        return None
-    # private: a shared anonymous mapping is shmem, which THP leaves alone; one huge page more, to
-    # start the buffer on a huge page boundary
-    region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    whole = np.frombuffer(region, np.uint8)  # keeps `region` mapped as long as any view of it lives
-    start = -whole.ctypes.data % HUGE_PAGE
-    try:
-        region.madvise(advice, start, nbytes // HUGE_PAGE * HUGE_PAGE)
-    except OSError:  # a kernel without transparent huge pages
-        return None
-    return whole[start:start + nbytes]
-
-
-BALLOONS = Path("/sys/bus/virtio/drivers/virtio_balloon")
-VIRTIO_BALLOON_F_REPORTING = 5  # the device's feature bit for free page reporting (virtio spec)
-
-
 def bytes_of(t: "torch.Tensor") -> np.ndarray:
     """A contiguous CPU tensor's bytes as a uint8 array (no copy)."""
     import torch
 
     assert t.is_contiguous() and t.device.type == "cpu"
     return t.reshape(-1).view(torch.uint8).numpy()
-
-
-@lru_cache(maxsize=1)
-def free_pages_reported() -> bool:
-    """Whether a virtio balloon device of this (guest) system reports free pages to its host: the
-    `features` file of each device is its feature bits as '0'/'1' characters, bit 0 first."""
-    for device in BALLOONS.glob("virtio*"):
-        try:
-            features = (device / "features").read_text().strip()
-        except OSError:
-            continue
-        if len(features) > VIRTIO_BALLOON_F_REPORTING and features[VIRTIO_BALLOON_F_REPORTING] == "1":
-            return True
-    return False
 
 
 def small_pages(nbytes: int) -> np.ndarray:

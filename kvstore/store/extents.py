@@ -109,8 +109,13 @@ def read_layers_unlocked(store, ref: ExtentRef, itemsize: int, *, session: str) 
 # helpers reading the layers of a run from the disk: more than the 2 cores of the machines measured,
 # because a cold restore waits on the disk: 4 read a 8,191-token session (188 MB) from disk in
 # 99-114 ms where 2 took 122-129 (p10 of 20, two runs; AMD EPYC Zen 5, 2 cores, load 9-10); a
-# cold 2k open 27.8 ms with 4, 30.6 with 2 (median of 12 alternated; Intel Xeon with AMX, KVM)
-READ_THREADS = 4
+# cold 2k open 27.8 ms with 4, 30.6 with 2 (median of 12 alternated; Intel Xeon with AMX, KVM). Twice
+# the reads the disk takes at once (`direct_io.DEPTH`): the helpers whose reads are done copy and
+# verify while the others wait on the disk. With 4, all four read at once, finished together and
+# copied while the disk idled (a third of a cold 2k open); 8 with 4 reads in flight opened it in
+# 22.4-23.8 ms against 27.5-27.8 (through the bounce buffer), 31-39 against 40-45 straight into
+# small pages (medians of 6; AMD EPYC, Zen 1 kind, KVM)
+READ_THREADS = 8
 # from the page cache a read is the CPU's work, and helpers beyond the cores only wait for the GIL
 # between their calls: a warm 2k open (47 MB) took 6.0 ms with 2 helpers, 7.3 with 4 (median of 40
 # alternated; Intel Xeon with AMX, 2 cores); on AMD EPYC Zen 5, 2, 3 and 4 were equal in the noise

@@ -62,13 +62,20 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_pool)
 
 
-def start_threads(helpers: int, serial_names: Sequence[str] = ()) -> None:
+def start_threads(helpers: int, serial_names: Sequence[str] = (), prepare: Callable[[], None] | None = None) -> None:
     """Start `helpers` of the pool's threads and the serial threads named, now: each starts as a call
-    first needs it otherwise, and a start is a pause of that call (`warm_up` of a store)."""
+    first needs it otherwise, and a start is a pause of that call (`warm_up` of a store). `prepare`
+    runs once in each of the helpers (what a thread makes on its first read: its bounce buffer)."""
     helpers = min(helpers, MAX_HELPERS)
     arrived = threading.Barrier(helpers + 1)  # each task holds its thread until all have one
+
+    def start() -> None:
+        if prepare is not None:
+            prepare()
+        arrived.wait(10.0)
+
     pool = _helpers()
-    started = [pool.submit(arrived.wait, 10.0) for _ in range(helpers)]
+    started = [pool.submit(start) for _ in range(helpers)]
     try:
         arrived.wait(10.0)
     except threading.BrokenBarrierError:  # the pool was busy with other calls: they started threads

@@ -23,6 +23,11 @@ two builds, each with one way, ran alike (1.00x).
   - `attention-cold:N`: the same row over every layer's N positions, on the threads given, each time
     after a read of a buffer four times the last-level cache has pushed the cache out of it: the
     kernel's reads from memory. Bits: the outputs.
+  - `restore:N`: `store.open` of a stored session of N positions whose layer files were just dropped
+    from the page cache, into the memory of the session closed before it (a process opening session
+    after session: the engine's pool), 12 times: the disk, the reading threads and the checksums.
+    `restore-fresh:N`: the same with that memory given back first (a new process's first open).
+    Bits: the restored cache.
 - Prints per case each revision's median over the processes (min-max), CHANGED / BASE, and whether
   the two computed the same bits (`--json FILE` writes it all).
 
@@ -51,7 +56,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-CASE_KINDS = ("decode", "step", "attention", "attention-cold")
+CASE_KINDS = ("decode", "step", "attention", "attention-cold", "restore", "restore-fresh")
 
 
 # -- the child: one case, measured in the tree on sys.path -----------------------------------------------
@@ -140,6 +145,36 @@ def measure_attention(model, n: int, cold: bool) -> tuple[float, bytes]:
     return statistics.median(times), b"".join(o.view(torch.int16).numpy().tobytes() for o in out)
 
 
+def measure_restore(model, n: int, fresh: bool) -> tuple[float, bytes]:
+    import torch
+
+    import kvstore
+    from kvstore.engine.cache import POOL
+
+    with tempfile.TemporaryDirectory(prefix="kvstore-ab-restore-") as home:
+        store = kvstore.open_store(home)
+        session = store.new("s", model)
+        session.append_tokens(prompt(n, model.config.vocab_size))
+        session.close()
+        files = [p for p in Path(home).rglob("layer-*.kv")]
+        times = []
+        for _ in range(13):  # the first open pays what a process pays once (threads, statements)
+            for path in files:  # out of the page cache: the next read comes from the disk
+                fd = os.open(path, os.O_RDONLY)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                os.close(fd)
+            if fresh:
+                POOL.clear()
+            time.sleep(0.2)  # the disk done with whatever came before
+            start = time.perf_counter()
+            session = store.open("s", model)
+            times.append(time.perf_counter() - start)
+            bits = b"".join(t.contiguous().view(torch.int16).numpy().tobytes() for t in session.seq.cache.state())
+            session.close()
+        store.close()
+    return statistics.median(times[1:]), bits
+
+
 def child(case: str, model_spec: str, threads: int) -> dict:
     """One case measured in this process: {"s": seconds, "digest": of the bits it computed, "kvstore": where
     kvstore came from}."""
@@ -156,6 +191,8 @@ def child(case: str, model_spec: str, threads: int) -> dict:
             s, bits = measure_decode(model, size[-1])
         elif kind == "step":
             s, bits = measure_step(model, *size)
+        elif kind.startswith("restore"):
+            s, bits = measure_restore(model, size[-1], fresh=kind == "restore-fresh")
         else:
             s, bits = measure_attention(model, size[-1], cold=kind == "attention-cold")
     return {"s": s, "digest": hashlib.sha256(bits).hexdigest()[:16], "kvstore": kvstore.__file__}
@@ -168,8 +205,8 @@ def parse_case(text: str) -> tuple[str, tuple[int, ...]]:
     parts = size.split("x")
     if kind not in CASE_KINDS or not all(p.isdigit() and int(p) > 0 for p in parts) or \
             len(parts) != (2 if kind == "step" else 1):
-        raise ValueError(f"{text!r}: a case is decode:N, step:SxN, attention:N or attention-cold:N (positive "
-                         "integers)")
+        raise ValueError(f"{text!r}: a case is decode:N, step:SxN, attention:N, attention-cold:N, restore:N or "
+                         "restore-fresh:N (positive integers)")
     return kind, tuple(int(p) for p in parts)
 
 
@@ -243,8 +280,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.ab", description=__doc__.split("\n\n")[0])
     p.add_argument("base", nargs="?", help="the revision measured against (a git revision)")
     p.add_argument("changed", nargs="?", help="the revision measured (default: the working tree)")
-    p.add_argument("--case", action="append", help="decode:N, step:SxN, attention:N or attention-cold:N (repeatable; "
-                   "default: decode:1024, step:8x512, attention:1024)")
+    p.add_argument("--case", action="append", help="decode:N, step:SxN, attention:N, attention-cold:N, restore:N or "
+                   "restore-fresh:N (repeatable; default: decode:1024, step:8x512, attention:1024)")
     p.add_argument("--model", default="smollm2", help="alias or path, as kvstore.load_model takes it")
     p.add_argument("--threads", type=int, default=2, help="torch threads (attention: always 1)")
     p.add_argument("--reps", type=int, default=4, help="processes per revision and case")

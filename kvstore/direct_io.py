@@ -143,10 +143,12 @@ def straight_in() -> bool:
     small pages gives the disk one 4 KiB piece of memory per page, a 2 MiB huge page one piece (the
     virtio disk there takes 254 pieces a request). 47 MB in 30 files out of the page cache (a
     2,048-token session's layer files), read on 4 threads: 13-15 ms into huge pages, 45-51 ms into
-    small ones, 23-27 ms plainly through the page cache as one 47 MB file (medians of 7-9). A restore
-    of that session into a cache's kept memory: 33-37 ms straight in, 26-28 ms through the bounce
-    buffer, copies included; a new process's first: 38-39 against 34-35 ms (medians of 8, two
-    alternated rounds; AMD EPYC, Zen 1 kind, KVM, ext4 on virtio)."""
+    small ones, 23-27 ms plainly through the page cache as one 47 MB file (medians of 7-9; AMD EPYC,
+    Zen 1 kind, KVM, ext4 on virtio). Restores of that session there, this way with four reads in
+    flight (`DEPTH`) against straight in before (`python -m benchmarks.ab 3b18469 --case restore:2048
+    --case restore-fresh:2048 --reps 5`, processes alternated): into the memory of the session closed
+    before, 22.8 ms (22.3-25.3) against 53.7 (49.4-55.6); into fresh memory, 32.0 (31.5-33.0) against
+    44.6 (39.4-45.3); the same bytes."""
     _bounce()
     return not (_local.huge and free_pages_reported())
 

@@ -788,10 +788,11 @@ def test_the_ab_benchmark_runs_two_trees_alternated_and_compares_their_bits(tmp_
     if native.layers() is None:
         pytest.skip("no native layer stack on this CPU")
     out = tmp_path / "ab.json"
-    assert ab.main(["HEAD", "--case", "decode:24", "--case", "step:2x20", "--case", "attention:40", "--case",
-                    "attention-cold:40", "--reps", "1", "--model", str(smollm2_path), "--json", str(out)]) == 0
+    cases = ["decode:24", "step:2x20", "attention:40", "attention-cold:40", "restore:40", "restore-fresh:40"]
+    assert ab.main(["HEAD", *[a for c in cases for a in ("--case", c)], "--reps", "1", "--model", str(smollm2_path),
+                    "--json", str(out)]) == 0
     r = json.loads(out.read_text())
-    assert list(r) == ["decode:24", "step:2x20", "attention:40", "attention-cold:40"]
+    assert list(r) == cases
     for case in r.values():
         names = list(case["s"])
         assert names[0].startswith("HEAD (") and names[1] == "working tree"

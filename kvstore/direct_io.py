@@ -148,9 +148,12 @@ def straight_in() -> bool:
     flight (`DEPTH`) against straight in before (`python -m benchmarks.ab 3b18469 --case restore:2048
     --case restore-fresh:2048 --reps 5`, processes alternated): into the memory of the session closed
     before, 22.8 ms (22.3-25.3) against 53.7 (49.4-55.6); into fresh memory, 32.0 (31.5-33.0) against
-    44.6 (39.4-45.3); the same bytes."""
+    44.6 (39.4-45.3); the same bytes. Where free pages are not reported, a thread whose reads all
+    go straight in makes no bounce buffer."""
+    if not free_pages_reported():
+        return True
     _bounce()
-    return not (_local.huge and free_pages_reported())
+    return not _local.huge
 
 
 def _copy_out(dest: memoryview, scratch: np.ndarray, at: int, n: int) -> None:
@@ -225,8 +228,9 @@ def _address(view: memoryview) -> int:
 def pread_direct(fd: int, bufs, offset: int) -> int:
     """`bufs` (a writable buffer, or a list of them filled in order) from `offset` of the file `fd`
     with direct I/O; the bytes read (short at the end of the file). OSError where direct I/O is
-    refused. Buffers that are all aligned (memory and length), from an aligned offset, are one read;
-    otherwise as `_pieces` cuts them, in as few reads as it allows (`_read_pieces`)."""
+    refused. Buffers that are all aligned (memory and length), from an aligned offset, are one read
+    where reads go straight in (`straight_in`); otherwise as `_pieces` cuts them, in as few reads as
+    it allows (`_read_pieces`)."""
     views = views_of(bufs)
     straight = straight_in()
     dfd = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_DIRECT | CLOEXEC)  # the same file, opened for direct I/O

@@ -420,6 +420,19 @@ KV_QAVX2 inline __m256i dot8(__m256i acc, __m256i w, __m256i x) {
   }
 }
 
+// acc + activation row t's term of a block on 8 lanes, from its integer sums isum (the contract's float
+// steps, as tile_avx512's add_block_term on 16): Q4_0's and AVX-VNNI Q8_0's offset added to isum, then
+// acc + float(isum) * (dw * dx), then for Q4_1 + mw * sx
+template <int64_t kind, bool vnni>
+KV_QAVX2 inline __m256 block_term8(__m256 acc, __m256i isum, __m256 dw, __m256 mw, const uint8_t* act, int t) {
+  if constexpr ((kind == Q8_0 && vnni) || kind == Q4_0)
+    isum = _mm256_add_epi32(isum, _mm256_set1_epi32(*reinterpret_cast<const word32*>(act + kOff + 4 * t)));
+  const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(*reinterpret_cast<const float_a*>(act + kDx + 4 * t)));
+  acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_cvtepi32_ps(isum), scale));
+  if constexpr (kind == Q4_1) acc = _mm256_add_ps(acc, _mm256_mul_ps(mw, _mm256_set1_ps(*reinterpret_cast<const float_a*>(act + kSx + 4 * t))));
+  return acc;
+}
+
 template <int64_t kind, int N, bool vnni>
 KV_QAVX2 void tile_half(const uint8_t* rec, int64_t nb, const uint8_t* act, float* out, int half) {
   constexpr int64_t QB = quant_bytes(kind), RB = record_bytes(kind);
@@ -470,15 +483,7 @@ KV_QAVX2 void tile_half(const uint8_t* rec, int64_t nb, const uint8_t* act, floa
         }
         isum = _mm256_add_epi32(i0, i1);
       }
-      if constexpr ((kind == Q8_0 && vnni) || kind == Q4_0)
-        isum = _mm256_add_epi32(isum, _mm256_set1_epi32(*reinterpret_cast<const word32*>(act + kOff + 4 * t)));
-      const float dx = *reinterpret_cast<const float_a*>(act + kDx + 4 * t);
-      const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(dx));
-      acc[t] = _mm256_add_ps(acc[t], _mm256_mul_ps(_mm256_cvtepi32_ps(isum), scale));
-      if constexpr (kind == Q4_1) {
-        const float sx = *reinterpret_cast<const float_a*>(act + kSx + 4 * t);
-        acc[t] = _mm256_add_ps(acc[t], _mm256_mul_ps(mw, _mm256_set1_ps(sx)));
-      }
+      acc[t] = block_term8<kind, vnni>(acc[t], isum, dw, mw, act, t);
     }
   }
   for (int t = 0; t < N; t++) _mm256_storeu_ps(out + kLanes * t + 8 * half, acc[t]);
@@ -502,72 +507,53 @@ KV_QAVX2 void few_rows(const uint8_t* rec, int64_t nb, const uint8_t* act, float
   for (int64_t b = 0; b < nb; b++, rec += RB, act += kActRecord) {
     if (ahead) prefetch_ahead<kind>(rec);
     __m256i isum[N][2];
-    if constexpr (kind != Q8_0 && !vnni) {
+    if constexpr (kind != Q8_0) {
+      // Q4: each slice's two halves unpacked once for every row. On AVX2 the 8 pair sums of each int16
+      // lane are added as int16 and widened once (exact, as tile_half's); on AVX-VNNI int32 sums.
       __m256i s[N][2];
       for (int t = 0; t < N; t++) s[t][0] = s[t][1] = _mm256_setzero_si256();
       for (int k = 0; k < 4; k++) {
-        const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 64 * k));
-        const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 64 * k + 32));
-        const __m256i l0 = _mm256_and_si256(v0, low), h0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), low);
-        const __m256i l1 = _mm256_and_si256(v1, low), h1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low);
+        __m256i lo[2], hi[2];  // the low and the high nibbles of slice k, per half
+        for (int h = 0; h < 2; h++) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 64 * k + 32 * h));
+          lo[h] = _mm256_and_si256(v, low), hi[h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        }
 #pragma GCC unroll 4
         for (int t = 0; t < N; t++) {
           const word32* words = reinterpret_cast<const word32*>(act + t * kBlock);
           const __m256i xl = _mm256_set1_epi32(words[k]), xh = _mm256_set1_epi32(words[k + 4]);
-          s[t][0] = _mm256_add_epi16(s[t][0], _mm256_add_epi16(_mm256_maddubs_epi16(l0, xl), _mm256_maddubs_epi16(h0, xh)));
-          s[t][1] = _mm256_add_epi16(s[t][1], _mm256_add_epi16(_mm256_maddubs_epi16(l1, xl), _mm256_maddubs_epi16(h1, xh)));
+          for (int h = 0; h < 2; h++) {
+            if constexpr (vnni) s[t][h] = dot8<true>(dot8<true>(s[t][h], lo[h], xl), hi[h], xh);
+            else s[t][h] = _mm256_add_epi16(s[t][h], _mm256_add_epi16(_mm256_maddubs_epi16(lo[h], xl), _mm256_maddubs_epi16(hi[h], xh)));
+          }
         }
       }
       for (int t = 0; t < N; t++)
-        for (int h = 0; h < 2; h++) isum[t][h] = _mm256_madd_epi16(s[t][h], _mm256_set1_epi16(1));
+        for (int h = 0; h < 2; h++) isum[t][h] = vnni ? s[t][h] : _mm256_madd_epi16(s[t][h], _mm256_set1_epi16(1));
     } else {
       for (int t = 0; t < N; t++) isum[t][0] = isum[t][1] = _mm256_setzero_si256();
       for (int k = 0; k < 8; k++) {
-        __m256i w0, w1;
-        if constexpr (kind == Q8_0) {
-          w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 64 * k));
-          w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 64 * k + 32));
-        } else {
-          const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 64 * (k % 4)));
-          const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 64 * (k % 4) + 32));
-          w0 = _mm256_and_si256(k < 4 ? v0 : _mm256_srli_epi16(v0, 4), low);
-          w1 = _mm256_and_si256(k < 4 ? v1 : _mm256_srli_epi16(v1, 4), low);
-        }
-        __m256i a0 = w0, a1 = w1;
-        if constexpr (kind == Q8_0 && !vnni) {
-          w0 = _mm256_xor_si256(w0, flip), w1 = _mm256_xor_si256(w1, flip);
-          a0 = _mm256_abs_epi8(w0), a1 = _mm256_abs_epi8(w1);
+        __m256i w[2], a[2];  // slice k's quants per half; a: what multiplies the activations
+        for (int h = 0; h < 2; h++) {
+          w[h] = a[h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 64 * k + 32 * h));
+          if constexpr (!vnni) w[h] = _mm256_xor_si256(w[h], flip), a[h] = _mm256_abs_epi8(w[h]);  // signed again, |q|
         }
 #pragma GCC unroll 4
         for (int t = 0; t < N; t++) {
           const __m256i x = _mm256_set1_epi32(reinterpret_cast<const word32*>(act + t * kBlock)[k]);
-          if constexpr (kind == Q8_0 && !vnni) {
-            isum[t][0] = dot8<false>(isum[t][0], a0, _mm256_sign_epi8(x, w0));
-            isum[t][1] = dot8<false>(isum[t][1], a1, _mm256_sign_epi8(x, w1));
-          } else {
-            isum[t][0] = dot8<vnni>(isum[t][0], a0, x);
-            isum[t][1] = dot8<vnni>(isum[t][1], a1, x);
+          for (int h = 0; h < 2; h++) {
+            if constexpr (vnni) isum[t][h] = dot8<true>(isum[t][h], a[h], x);
+            else isum[t][h] = dot8<false>(isum[t][h], a[h], _mm256_sign_epi8(x, w[h]));
           }
         }
       }
     }
     const uint8_t* scales = rec + QB;
-    const __m256 dw[2] = {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales))),
-                          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + 16)))};
-    __m256 mw[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-    if constexpr (kind == Q4_1)
-      for (int h = 0; h < 2; h++) mw[h] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + 32 + 16 * h)));
-    for (int t = 0; t < N; t++) {
-      if constexpr ((kind == Q8_0 && vnni) || kind == Q4_0) {
-        const __m256i off = _mm256_set1_epi32(*reinterpret_cast<const word32*>(act + kOff + 4 * t));
-        for (int h = 0; h < 2; h++) isum[t][h] = _mm256_add_epi32(isum[t][h], off);
-      }
-      const __m256 dx = _mm256_set1_ps(*reinterpret_cast<const float_a*>(act + kDx + 4 * t));
-      for (int h = 0; h < 2; h++) acc[t][h] = _mm256_add_ps(acc[t][h], _mm256_mul_ps(_mm256_cvtepi32_ps(isum[t][h]), _mm256_mul_ps(dw[h], dx)));
-      if constexpr (kind == Q4_1) {
-        const __m256 sx = _mm256_set1_ps(*reinterpret_cast<const float_a*>(act + kSx + 4 * t));
-        for (int h = 0; h < 2; h++) acc[t][h] = _mm256_add_ps(acc[t][h], _mm256_mul_ps(mw[h], sx));
-      }
+    for (int h = 0; h < 2; h++) {
+      const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + 16 * h)));
+      const __m256 mw = kind == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + 32 + 16 * h)))
+                                     : _mm256_setzero_ps();
+      for (int t = 0; t < N; t++) acc[t][h] = block_term8<kind, vnni>(acc[t][h], isum[t][h], dw, mw, act, t);
     }
   }
   for (int t = 0; t < N; t++)
